@@ -1,0 +1,32 @@
+# The two commands of the README. Both create .venv (Python >= 3.11) and install into it:
+#   make demo   install, then run the main job
+#   make test   install everything the tests need, then lint and run the whole test suite
+# torch comes from the CPU build (2.13.0) that pip finds on disk; a plain `torch` would pull a CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install lint
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/harness smoke
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest

@@ -1,0 +1,3 @@
+"""environments package."""
+
+__all__: list[str] = []

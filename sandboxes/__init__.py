@@ -1,0 +1,3 @@
+"""sandboxes package."""
+
+__all__: list[str] = []
