@@ -1,0 +1,147 @@
+"""Tiny random models built from configs: Qwen3, Llama and the Qwen3.5 gated-DeltaNet hybrid."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from harness.testing.bytelevel import ENDOFTEXT, IM_END
+from harness.testing.tiny_tokenizer import _tiny_vocab_info
+
+
+def _token_ids(vocab_size: int | None) -> dict[str, int | None]:
+    """Vocabulary size and bos/eos/pad ids shared by all tiny configs, taken from the tiny tokenizer.
+
+    As in Qwen's configs, bos is <|endoftext|>; the tokenizer itself adds no bos token. An id that does not
+    fit a smaller `vocab_size` becomes None (the embedding would reject it as padding index). When pairing a
+    tiny model with another tokenizer, pass that tokenizer's ids as config overrides.
+    """
+    size, ids = _tiny_vocab_info()
+    vocab_size = size if vocab_size is None else vocab_size
+    bos, eos, pad = ids[ENDOFTEXT], ids[IM_END], ids[ENDOFTEXT]
+    return {
+        "vocab_size": vocab_size,
+        "bos_token_id": bos if bos < vocab_size else None,
+        "eos_token_id": eos if eos < vocab_size else None,
+        "pad_token_id": pad if pad < vocab_size else None,
+    }
+
+
+def tiny_qwen3_config(*, vocab_size: int | None = None, **overrides: Any) -> Qwen3Config:
+    """Config of a 2-layer Qwen3, hidden size 64 (4 query heads, 2 KV heads of dim 16); `overrides` win."""
+    params: dict[str, Any] = {
+        **_token_ids(vocab_size),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    }
+    return Qwen3Config(**{**params, **overrides})
+
+
+def tiny_llama_config(*, vocab_size: int | None = None, **overrides: Any) -> LlamaConfig:
+    """Config of a 2-layer Llama, hidden size 64 (4 query heads, 2 KV heads of dim 16); `overrides` win."""
+    params: dict[str, Any] = {
+        **_token_ids(vocab_size),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    }
+    return LlamaConfig(**{**params, **overrides})
+
+
+def _hybrid_layer_types(num_layers: int) -> list[str]:
+    """Qwen3.5's pattern (every 4th layer full attention, the rest gated DeltaNet), ending on full attention.
+
+    Ending on a full-attention layer keeps both kinds present even in 2- or 3-layer models.
+    """
+    return [
+        "full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
+def tiny_qwen3_5_config(
+    *, vocab_size: int | None = None, num_hidden_layers: int = 4, **overrides: Any
+) -> Qwen3_5TextConfig:
+    """Config of a Qwen3.5 text model, hidden size 64, mixing gated-DeltaNet and full-attention layers.
+
+    The default 4 layers are [linear, linear, linear, full], the real Qwen3.5 3:1 pattern; other depths
+    follow `_hybrid_layer_types` unless `layer_types` is overridden.
+    """
+    params: dict[str, Any] = {
+        **_token_ids(vocab_size),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": num_hidden_layers,
+        "layer_types": _hybrid_layer_types(num_hidden_layers),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    }
+    return Qwen3_5TextConfig(**{**params, **overrides})
+
+
+def _build(
+    model_class: type[PreTrainedModel], config: PreTrainedConfig, seed: int, dtype: torch.dtype
+) -> PreTrainedModel:
+    """Instantiate with weights drawn from `seed`, cast to `dtype`, and switch to eval mode.
+
+    The seeding happens on a forked CPU RNG, so building a model does not disturb the caller's random stream.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return model.to(dtype=dtype).eval()
+
+
+def build_tiny_qwen3(
+    *, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Qwen3ForCausalLM:
+    """A random tiny Qwen3ForCausalLM (see `tiny_qwen3_config`), in eval mode, deterministic for a seed."""
+    return _build(Qwen3ForCausalLM, tiny_qwen3_config(vocab_size=vocab_size, **overrides), seed, dtype)
+
+
+def build_tiny_llama(
+    *, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> LlamaForCausalLM:
+    """A random tiny LlamaForCausalLM (see `tiny_llama_config`), in eval mode, deterministic for a seed."""
+    return _build(LlamaForCausalLM, tiny_llama_config(vocab_size=vocab_size, **overrides), seed, dtype)
+
+
+def build_tiny_qwen3_5(
+    *, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Qwen3_5ForCausalLM:
+    """A random tiny hybrid Qwen3_5ForCausalLM (gated DeltaNet + full attention), in eval mode.
+
+    Without the optional fla / causal-conv1d kernels (e.g. on CPU) transformers runs the pure-torch
+    gated-delta-rule fallback, which is what the tests exercise.
+    """
+    return _build(Qwen3_5ForCausalLM, tiny_qwen3_5_config(vocab_size=vocab_size, **overrides), seed, dtype)
