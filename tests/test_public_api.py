@@ -1,0 +1,37 @@
+"""The public names of each package, so the API users rely on does not drift unnoticed."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "tools": {
+        "InvalidToolArguments",
+        "Tool",
+        "ToolCall",
+        "ToolDefinitionError",
+        "ToolError",
+        "ToolExecutor",
+        "ToolResult",
+        "ToolStats",
+        "ToolStatus",
+        "Toolset",
+        "bind_arguments",
+        "coerce",
+        "from_json_value",
+        "function_schema",
+        "render_output",
+        "truncate",
+    },
+    "harness": {"__version__"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_all_is_exactly_the_public_api_and_every_name_resolves(package):
+    module = importlib.import_module(package)
+    assert set(module.__all__) == PUBLIC[package]
+    for name in module.__all__:
+        assert getattr(module, name) is not None
