@@ -32,12 +32,14 @@ recent releases know Enum.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
 import inspect
 import types
 import typing
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin
@@ -97,70 +99,21 @@ class Tool:
             return fn
         if not callable(fn):
             raise ToolDefinitionError(f"a tool must be callable, got {type(fn).__name__}: {fn!r}")
-        target = _signature_target(fn)
         tool_name = name or _callable_name(fn)
-        label = f"tool '{tool_name}' ({_qualname(target)})"
-        doc = parse_docstring(inspect.getdoc(target))
-        if not doc.summary:
-            raise ToolDefinitionError(
-                f"{label} has no docstring: write a Google-style docstring with a one-line summary and an "
-                "'Args:' section describing each parameter; the model reads them to decide how to call it"
-            )
-        try:
-            hints = typing.get_type_hints(target, include_extras=True)
-        except Exception as exc:  # a forward reference that does not resolve, say
-            raise ToolDefinitionError(f"{label}: its type hints cannot be resolved: {exc}") from exc
-
-        properties: dict[str, Any] = {}
-        required: list[str] = []
-        implicit_none: set[str] = set()
-        call_hints: dict[str, Any] = {}
-        accepts_extra = False
-        for param in inspect.signature(fn).parameters.values():
-            if param.kind is param.VAR_KEYWORD:
-                accepts_extra = True
-                continue
-            if param.kind is param.VAR_POSITIONAL:
-                raise ToolDefinitionError(
-                    f"{label}: *{param.name} cannot be passed by a model, which sends named arguments only; "
-                    "take a list parameter instead"
-                )
-            if param.kind is param.POSITIONAL_ONLY:
-                raise ToolDefinitionError(
-                    f"{label}: parameter '{param.name}' is positional-only; a model sends named arguments"
-                )
-            if param.name not in hints:
-                raise ToolDefinitionError(
-                    f"{label}: parameter '{param.name}' has no type hint; add one (e.g. `{param.name}: str`)"
-                )
-            hint = hints[param.name]
-            where = f"{label}, parameter '{param.name}'"
-            prop = _schema_for_hint(hint, where)
-            description = doc.args.get(param.name) or _annotated_description(hint)
-            if not description:
-                raise ToolDefinitionError(
-                    f"{label}: parameter '{param.name}' is not described in the docstring; add "
-                    f"'{param.name}: <what it is>' under 'Args:'"
-                )
-            prop["description"] = description
-            if param.default is not param.empty:
-                if _is_json_value(param.default):
-                    prop["default"] = (
-                        param.default.value if isinstance(param.default, enum.Enum) else param.default
-                    )
-            elif _allows_none(hint):
-                implicit_none.add(param.name)
-            else:
-                required.append(param.name)
-            properties[param.name] = prop
-            call_hints[param.name] = hint
-
-        parameters: dict[str, Any] = {"type": "object", "properties": properties}
-        if required:
-            parameters["required"] = required
+        # Environments expose bound methods, one set per instance: describe each function only once.
+        key = fn.__func__ if inspect.ismethod(fn) else fn if inspect.isfunction(fn) else None
+        described = _DESCRIBED.get(key) if key is not None else None
+        if described is None:
+            described = _describe(fn, tool_name)
+            if key is not None:
+                _DESCRIBED[key] = described
         schema = {
             "type": "function",
-            "function": {"name": tool_name, "description": doc.summary, "parameters": parameters},
+            "function": {
+                "name": tool_name,
+                "description": described.summary,
+                "parameters": described.parameters,
+            },
         }
         return cls(
             name=tool_name,
@@ -169,19 +122,18 @@ class Tool:
             is_async=_is_async(fn),
             timeout_s=timeout_s,
             max_output_chars=max_output_chars,
-            hints=types.MappingProxyType(call_hints),
-            implicit_none=frozenset(implicit_none),
-            accepts_extra_kwargs=accepts_extra,
+            hints=described.hints,
+            implicit_none=described.implicit_none,
+            accepts_extra_kwargs=described.accepts_extra_kwargs,
         )
 
-    @functools.cached_property
+    @property
     def validator(self) -> jsonschema.Draft202012Validator:
-        """A validator of the arguments' schema, built on first use and kept with the tool."""
-        return jsonschema.Draft202012Validator(self.parameters)
+        """A validator of the arguments' schema, shared by every tool made from the same function."""
+        return _validator_for(self.parameters)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("validator", None)  # rebuilt on first use after unpickling
         state["hints"] = dict(self.hints)  # a mappingproxy does not pickle
         return state
 
@@ -197,6 +149,109 @@ class Tool:
     @property
     def description(self) -> str:
         return self.schema["function"]["description"]
+
+
+@dataclass(frozen=True)
+class _Description:
+    """What a callable's hints and docstring say, independent of the name it is registered under."""
+
+    summary: str
+    parameters: dict[str, Any]
+    hints: Mapping[str, Any]
+    implicit_none: frozenset[str]
+    accepts_extra_kwargs: bool
+
+
+_DESCRIBED: weakref.WeakKeyDictionary[Callable[..., Any], _Description] = weakref.WeakKeyDictionary()
+
+
+_VALIDATORS: collections.OrderedDict[int, tuple[dict[str, Any], jsonschema.Draft202012Validator]] = (
+    collections.OrderedDict()
+)
+
+
+def _validator_for(parameters: dict[str, Any]) -> jsonschema.Draft202012Validator:
+    """A validator per parameters schema, kept in a small LRU (the entry holds the schema, so its id
+    cannot be reused by another while cached)."""
+    entry = _VALIDATORS.get(id(parameters))
+    if entry is None or entry[0] is not parameters:
+        entry = (parameters, jsonschema.Draft202012Validator(parameters))
+        _VALIDATORS[id(parameters)] = entry
+        if len(_VALIDATORS) > 4096:
+            _VALIDATORS.popitem(last=False)
+    else:
+        _VALIDATORS.move_to_end(id(parameters))
+    return entry[1]
+
+
+def _describe(fn: Callable[..., Any], tool_name: str) -> _Description:
+    target = _signature_target(fn)
+    label = f"tool '{tool_name}' ({_qualname(target)})"
+    doc = parse_docstring(inspect.getdoc(target))
+    if not doc.summary:
+        raise ToolDefinitionError(
+            f"{label} has no docstring: write a Google-style docstring with a one-line summary and an "
+            "'Args:' section describing each parameter; the model reads them to decide how to call it"
+        )
+    try:
+        hints = typing.get_type_hints(target, include_extras=True)
+    except Exception as exc:  # a forward reference that does not resolve, say
+        raise ToolDefinitionError(f"{label}: its type hints cannot be resolved: {exc}") from exc
+
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    implicit_none: set[str] = set()
+    call_hints: dict[str, Any] = {}
+    accepts_extra = False
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind is param.VAR_KEYWORD:
+            accepts_extra = True
+            continue
+        if param.kind is param.VAR_POSITIONAL:
+            raise ToolDefinitionError(
+                f"{label}: *{param.name} cannot be passed by a model, which sends named arguments only; "
+                "take a list parameter instead"
+            )
+        if param.kind is param.POSITIONAL_ONLY:
+            raise ToolDefinitionError(
+                f"{label}: parameter '{param.name}' is positional-only; a model sends named arguments"
+            )
+        if param.name not in hints:
+            raise ToolDefinitionError(
+                f"{label}: parameter '{param.name}' has no type hint; add one (e.g. `{param.name}: str`)"
+            )
+        hint = hints[param.name]
+        where = f"{label}, parameter '{param.name}'"
+        prop = _schema_for_hint(hint, where)
+        description = doc.args.get(param.name) or _annotated_description(hint)
+        if not description:
+            raise ToolDefinitionError(
+                f"{label}: parameter '{param.name}' is not described in the docstring; add "
+                f"'{param.name}: <what it is>' under 'Args:'"
+            )
+        prop["description"] = description
+        if param.default is not param.empty:
+            if _is_json_value(param.default):
+                prop["default"] = (
+                    param.default.value if isinstance(param.default, enum.Enum) else param.default
+                )
+        elif _allows_none(hint):
+            implicit_none.add(param.name)
+        else:
+            required.append(param.name)
+        properties[param.name] = prop
+        call_hints[param.name] = hint
+
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    return _Description(
+        summary=doc.summary,
+        parameters=parameters,
+        hints=types.MappingProxyType(call_hints),
+        implicit_none=frozenset(implicit_none),
+        accepts_extra_kwargs=accepts_extra,
+    )
 
 
 def function_schema(fn: Callable[..., Any]) -> dict[str, Any]:
