@@ -10,6 +10,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+# Equal to sandboxes.image.DEFAULT_IMAGE (a test checks it); not imported, so that building the parser
+# imports nothing from the sandboxes package.
+_SANDBOX_IMAGE = "agent-harness/python:bookworm"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -38,7 +42,65 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the OpenAI-style function schema of each callable, as a chat template gets it.",
     )
     schema.add_argument("targets", nargs="+", metavar="MODULE:NAME", help="e.g. mypkg.tools:search")
+
+    _add_sandbox_commands(commands)
     return parser
+
+
+def _add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
+    sandbox = commands.add_parser("sandbox", help="build the sandbox image, remove what dead runs left")
+    sandbox_commands = sandbox.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND", required=True)
+    build = sandbox_commands.add_parser(
+        "build-image",
+        help="build the sandbox base image (no registry needed)",
+        description=(
+            "Build the image sandboxes start from: by default a minimal Debian root filesystem with python3 "
+            "and the user `sandbox` (uid 1000, home /workspace), made with debootstrap (needs root and a "
+            "Debian mirror) and imported into the Docker engine of DOCKER_HOST. The root filesystem is "
+            "cached under ~/.cache/agent-harness/images, so later builds take seconds. With --dockerfile or "
+            "--pull the image comes from a Dockerfile or a registry instead, tagged as --tag."
+        ),
+    )
+    build.add_argument(
+        "--tag", default=_SANDBOX_IMAGE, help=f"image name to create (default: {_SANDBOX_IMAGE})"
+    )
+    build.add_argument("--suite", help="Debian suite to bootstrap (default: bookworm)")
+    build.add_argument("--mirror", help="Debian mirror (default: http://deb.debian.org/debian)")
+    build.add_argument(
+        "--package",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="extra Debian package to install besides python3 (repeatable)",
+    )
+    build.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even if the image exists (the cached root filesystem is reused; delete it to redo it)",
+    )
+    source = build.add_mutually_exclusive_group()
+    source.add_argument(
+        "--dockerfile", metavar="PATH", help="build from this Dockerfile (or directory) instead"
+    )
+    source.add_argument("--pull", metavar="NAME", help="pull NAME from its registry instead, and tag it")
+
+    reap = sandbox_commands.add_parser(
+        "reap",
+        help="remove sandboxes whose owning process is gone",
+        description=(
+            "Remove sandbox containers (Docker) and local sandbox directories whose owner process on this "
+            "host no longer runs, e.g. after a run was killed with SIGKILL. Only sandboxes carrying "
+            "agent-harness labels are considered; a live run's sandboxes are never touched."
+        ),
+    )
+    reap.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    reap.add_argument(
+        "--other-hosts-older-than",
+        type=float,
+        metavar="HOURS",
+        help="also remove containers of other hosts created more than HOURS ago (default: never)",
+    )
+    reap.add_argument("--no-docker", action="store_true", help="skip containers (only local directories)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_smoke(steps=args.steps, seed=args.seed)
     if args.command == "tools":
         return _tools_schema(args.targets)
+    if args.command == "sandbox" and args.sandbox_command == "reap":
+        return _sandbox_reap(args)
+    if args.command == "sandbox":
+        return _sandbox_build_image(args)
     parser.print_help()
     return 0
 
@@ -80,6 +146,60 @@ def _tools_schema(targets: Sequence[str]) -> int:
             print(f"error: {target}: {exc}", file=sys.stderr)
             return 1
     print(json.dumps(schemas, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _sandbox_build_image(args: argparse.Namespace) -> int:
+    from sandboxes import image
+
+    debootstrap_only = {"--suite": args.suite, "--mirror": args.mirror, "--package": args.package}
+    if args.dockerfile or args.pull:
+        given = [flag for flag, value in debootstrap_only.items() if value]
+        if given:
+            print(f"error: {', '.join(given)}: only for the debootstrap build", file=sys.stderr)
+            return 2
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr)  # progress on stderr: stdout carries only the image name
+
+    try:
+        if args.dockerfile:
+            name = image.build_from_dockerfile(args.dockerfile, args.tag, nocache=args.force)
+        elif args.pull:
+            name = image.pull_image(args.pull, tag=args.tag)
+        else:
+            name = image.build_base_image(
+                args.tag,
+                suite=args.suite or image.DEFAULT_SUITE,
+                mirror=args.mirror or image.DEFAULT_MIRROR,
+                extra_packages=args.package,
+                force=args.force,
+                log=log,
+            )
+    except image.ImageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(name)
+    return 0
+
+
+def _sandbox_reap(args: argparse.Namespace) -> int:
+    from sandboxes import errors
+    from sandboxes.reaper import reap_containers, reap_local_dirs
+
+    verb = "would remove" if args.dry_run else "removed"
+    for path in reap_local_dirs(dry_run=args.dry_run):
+        print(f"{verb} local sandbox directory {path}")
+    if args.no_docker:
+        return 0
+    older_than_s = None if args.other_hosts_older_than is None else args.other_hosts_older_than * 3600
+    try:
+        names = reap_containers(dry_run=args.dry_run, other_hosts_older_than_s=older_than_s)
+    except errors.EngineUnavailable as exc:
+        print(f"containers: skipped, {exc}", file=sys.stderr)
+        return 1
+    for name in names:
+        print(f"{verb} container {name}")
     return 0
 
 

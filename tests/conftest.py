@@ -6,6 +6,8 @@ tests that do not use them stays fast.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import TYPE_CHECKING
 
 import pytest
@@ -26,6 +28,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@functools.cache
+def _docker_engine_problem() -> str | None:
+    """Why no Docker engine answers at DOCKER_HOST (None when one does); probed once per session."""
+    import docker
+
+    try:
+        client = docker.from_env(timeout=5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception as exc:  # whatever the failure, the tests see the same thing: no usable engine
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked `docker` skip without an engine, but fail in CI, where tests/run.sh starts one."""
+    if item.get_closest_marker("docker") is None:
+        return
+    problem = _docker_engine_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(
+            f"no Docker engine answers ({problem}); in CI, tests/run.sh should have started one",
+            pytrace=False,
+        )
+    pytest.skip(f"needs a running Docker engine ({problem})")
 
 
 @pytest.fixture
