@@ -9,6 +9,7 @@ import pytest
 PUBLIC = {
     "tools": {
         "InvalidToolArguments",
+        "SandboxTools",
         "Tool",
         "ToolCall",
         "ToolDefinitionError",
@@ -26,6 +27,26 @@ PUBLIC = {
         "truncate",
     },
     "harness": {"__version__"},
+    "sandboxes": {
+        "RUN_ID",
+        "EngineUnavailable",
+        "ExecResult",
+        "ImageNotFound",
+        "InvalidSandboxConfig",
+        "Limits",
+        "PoolStats",
+        "Sandbox",
+        "SandboxClosed",
+        "SandboxDied",
+        "SandboxError",
+        "SandboxFileError",
+        "SandboxFileNotFound",
+        "SandboxPool",
+        "SandboxSpec",
+        "SandboxStartError",
+        "SandboxTimeout",
+        "create_sandbox",
+    },
 }
 
 

@@ -9,12 +9,14 @@ from tools.calls import ToolCall, ToolResult, ToolStatus
 from tools.errors import InvalidToolArguments, ToolDefinitionError, ToolError
 from tools.executor import ToolExecutor, render_output, truncate
 from tools.metrics import ToolStats
+from tools.sandboxed import SandboxTools
 from tools.schema import Tool, from_json_value, function_schema
 from tools.toolset import Toolset
 from tools.validation import bind_arguments, coerce
 
 __all__ = [
     "InvalidToolArguments",
+    "SandboxTools",
     "Tool",
     "ToolCall",
     "ToolDefinitionError",

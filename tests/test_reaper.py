@@ -1,0 +1,132 @@
+"""The reaper: what a SIGKILLed owner leaves behind is removed; what a live owner or nobody of ours owns
+is never touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sandboxes.owner import Owner, process_start_ticks, this_owner
+from sandboxes.reaper import reap_containers, reap_local_dirs
+
+HOLD_SANDBOXES = textwrap.dedent(
+    """
+    import json, sys, anyio
+    from sandboxes.base import SandboxSpec, create_sandbox
+
+    async def main():
+        sandboxes = [create_sandbox(SandboxSpec(backend=sys.argv[1])) for _ in range(10)]
+        for sandbox in sandboxes:
+            await sandbox.start()
+        ids = [getattr(s, "container_id", None) or str(s._dir) for s in sandboxes]
+        pids = [s._process.pid if getattr(s, "_process", None) else None for s in sandboxes]
+        print(json.dumps({"ids": ids, "pids": pids}), flush=True)
+        await anyio.sleep(600)
+
+    anyio.run(main)
+    """
+)
+
+
+def running(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (a dead child some init has not reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def hold_then_sigkill(backend: str) -> dict:
+    """Start a process holding 10 sandboxes, then kill it with SIGKILL; return what it had started."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SANDBOXES, backend], stdout=subprocess.PIPE, text=True, env=os.environ
+    )
+    try:
+        started = json.loads(holder.stdout.readline())
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    return started
+
+
+def test_owner_tags_round_trip_and_liveness():
+    owner = this_owner()
+    assert Owner.from_tag(owner.tag()) == owner
+    assert owner.is_alive()
+    assert not Owner(owner.host, owner.pid, owner.start_ticks + 1).is_alive()  # same pid, other process
+    assert Owner.from_tag("not-a-tag") is None
+    assert process_start_ticks(2**22 + 12345) is None
+
+
+def test_local_dirs_of_dead_owners_are_reaped_and_live_ones_kept(tmp_path):
+    me = this_owner()
+    live = tmp_path / f"{me.tag()}-abc123"
+    dead = tmp_path / f"{Owner(me.host, me.pid, me.start_ticks + 7).tag()}-def456"
+    elsewhere = tmp_path / f"{Owner('other-host', 1, 1).tag()}-ghi789"
+    unrelated = tmp_path / "not-ours"
+    for path in (live, dead, elsewhere, unrelated):
+        (path / "workspace").mkdir(parents=True)
+    (dead / "workspace" / "locked").mkdir()
+    (dead / "workspace" / "locked").chmod(0)  # what sandboxed code might leave
+    assert reap_local_dirs(tmp_path, dry_run=True) == [dead]
+    assert dead.exists()
+    assert reap_local_dirs(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, elsewhere, unrelated))
+
+
+@pytest.mark.slow
+def test_sigkilled_owner_leaves_no_process_and_the_reaper_removes_its_dirs():
+    started = hold_then_sigkill("local")
+    time.sleep(0.5)  # the kernel delivers --die-with-parent's SIGKILL
+    assert not any(running(pid) for pid in started["pids"])
+    dirs = [Path(path) for path in started["ids"]]
+    assert all(path.exists() for path in dirs)  # nothing ran to clean up: the reaper's job
+    reaped = reap_local_dirs()
+    assert set(dirs) <= set(reaped)
+    assert not any(path.exists() for path in dirs)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_sigkilled_owner_leaves_10_containers_that_the_reaper_removes_and_unlabelled_survive():
+    from sandboxes.base import SandboxSpec
+    from sandboxes.docker import docker_client
+
+    client = docker_client()
+    stranger = client.containers.create(SandboxSpec().image, command=["sleep", "600"], network_mode="none")
+    try:
+        started = hold_then_sigkill("docker")
+        ids = set(started["ids"])
+        existing = {c["Id"] for c in client.api.containers(all=True)}
+        assert ids <= existing  # 10 containers outlived their owner
+        reaped = reap_containers(client)
+        assert len(reaped) >= 10
+        existing = {c["Id"] for c in client.api.containers(all=True)}
+        assert not ids & existing
+        assert stranger.id in existing  # no labels of ours: never touched
+    finally:
+        stranger.remove(force=True)
+
+
+def test_reap_command_removes_dead_owners_dirs(capsys):
+    from harness.cli import main
+    from sandboxes.local import sandbox_root
+
+    me = this_owner()
+    dead = sandbox_root() / f"{Owner(me.host, me.pid, me.start_ticks + 3).tag()}-cli123"
+    (dead / "workspace").mkdir(parents=True)
+    assert main(["sandbox", "reap", "--no-docker", "--dry-run"]) == 0
+    assert f"would remove local sandbox directory {dead}" in capsys.readouterr().out
+    assert dead.exists()
+    assert main(["sandbox", "reap", "--no-docker"]) == 0
+    assert f"removed local sandbox directory {dead}" in capsys.readouterr().out
+    assert not dead.exists()
