@@ -1,6 +1,6 @@
 """Benchmark: the executor's overhead per call for a trivial sync and a trivial async tool.
 
-Run:  python tests/benchmarks/bench_tool_executor.py [--calls 20000]
+Run:  python benchmarks/bench_tool_executor.py [--calls 20000]
 
 Each figure is calls per second through `ToolExecutor.run` (validation, dispatch, timeout scope, output
 rendering and the result record included), for one rollout calling in a loop and for many rollouts at

@@ -1,6 +1,6 @@
 """Benchmark: sandbox start-up, warm acquire, exec round trips, throughput under load, and memory held.
 
-Run:  python tests/benchmarks/bench_sandboxes.py [--backend local|docker|both] [--seconds 5]
+Run:  python benchmarks/bench_sandboxes.py [--backend local|docker|both] [--seconds 5]
 
 Per backend it prints
 - cold start: create + start + first answer of one sandbox, p50/p95 over 10 starts;
