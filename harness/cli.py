@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("targets", nargs="+", metavar="MODULE:NAME", help="e.g. mypkg.tools:search")
 
     _add_sandbox_commands(commands)
+    _add_envs_commands(commands)
     return parser
 
 
@@ -103,6 +104,20 @@ def _add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
     reap.add_argument("--no-docker", action="store_true", help="skip containers (only local directories)")
 
 
+def _add_envs_commands(commands: argparse._SubParsersAction) -> None:
+    envs = commands.add_parser("envs", help="list and inspect the registered environments")
+    envs_commands = envs.add_subparsers(dest="envs_command", metavar="SUBCOMMAND", required=True)
+    envs_commands.add_parser(
+        "list",
+        help="every registered environment: bundled, plugins and their status",
+        description="List the environments the registry knows (bundled ones and plugins of the entry-point "
+        "group harness.environments), loading each to show its version and description; a plugin that "
+        "fails to load is listed with its error and makes the command exit with 1.",
+    )
+    show = envs_commands.add_parser("show", help="an environment's manifest and its tools with their schemas")
+    show.add_argument("name", help="the environment's registry name")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -117,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_smoke(steps=args.steps, seed=args.seed)
     if args.command == "tools":
         return _tools_schema(args.targets)
+    if args.command == "envs":
+        return _envs_list() if args.envs_command == "list" else _envs_show(args.name)
     if args.command == "sandbox" and args.sandbox_command == "reap":
         return _sandbox_reap(args)
     if args.command == "sandbox":
@@ -180,6 +197,43 @@ def _sandbox_build_image(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(name)
+    return 0
+
+
+def _envs_list() -> int:
+    from environments import EnvironmentsError, entries, load_manifest
+
+    failed = 0
+    for entry in entries():
+        try:
+            manifest = load_manifest(entry.name)
+        except EnvironmentsError as exc:
+            failed += 1
+            print(f"{entry.name:<20} ERROR  {entry.source}: {str(exc).splitlines()[0]}")
+            continue
+        print(f"{entry.name:<20} {manifest.version:<8} {entry.source:<24} {manifest.description}")
+    return 1 if failed else 0
+
+
+def _envs_show(name: str) -> int:
+    import json
+
+    from environments import EnvironmentsError, load_manifest
+    from environments.base import environment_class, tool_method_names
+    from environments.registry import load
+    from tools import Tool
+    from tools.sandboxed import SandboxTools
+
+    try:
+        manifest = load_manifest(name)
+        cls = environment_class(load(name))
+    except EnvironmentsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sandbox_tools = SandboxTools(None).toolset()  # unbound: only their schemas are printed
+    schemas = [Tool.from_callable(getattr(cls, method)).schema for method in tool_method_names(cls, manifest)]
+    schemas += [sandbox_tools[tool].schema for tool in manifest.sandbox_tools]
+    print(json.dumps({"manifest": manifest.summary(), "tools": schemas}, indent=2))
     return 0
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
+import dataclasses
+import functools
 import io
 import json
 import os
@@ -39,7 +41,7 @@ from sandboxes.channel import AgentChannel
 from sandboxes.image import DEFAULT_IMAGE
 
 AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text(encoding="utf-8")
-BackendName = Literal["docker", "local", "unsafe-subprocess"]
+BackendName = Literal["auto", "docker", "local", "unsafe-subprocess"]
 # Slack on top of a command's own timeout before the host gives up on the executor's answer.
 _ANSWER_SLACK_S = 15.0
 # A process-wide id for this run: every sandbox it starts carries it (Docker labels, local directories).
@@ -96,8 +98,9 @@ class SandboxSpec:
     """What sandbox to start: backend, image, limits. Hashable, so pools can key on it.
 
     Attributes:
-        backend: "docker" (containers), "local" (bubblewrap namespaces), or "unsafe-subprocess" (NO
-            isolation at all, for debugging a tool on a machine with neither).
+        backend: "docker" (containers), "local" (bubblewrap namespaces), "auto" (Docker when an engine
+            answers and has the image, else local), or "unsafe-subprocess" (NO isolation at all, for
+            debugging a tool on a machine with neither).
         image: Container image (Docker only).
         limits: Resource limits.
         workdir: The writable working directory inside the sandbox; relative paths start there.
@@ -115,9 +118,10 @@ class SandboxSpec:
     start_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.backend not in ("docker", "local", "unsafe-subprocess"):
+        if self.backend not in ("auto", "docker", "local", "unsafe-subprocess"):
             raise errors.InvalidSandboxConfig(
-                f"unknown sandbox backend {self.backend!r}; choose 'docker', 'local' or 'unsafe-subprocess'"
+                f"unknown sandbox backend {self.backend!r}; choose 'auto', 'docker', 'local' or "
+                "'unsafe-subprocess'"
             )
         if not self.workdir.startswith("/"):
             raise errors.InvalidSandboxConfig(f"workdir must be an absolute path, got {self.workdir!r}")
@@ -327,6 +331,8 @@ class Sandbox(ABC):
 def create_sandbox(spec: SandboxSpec | None = None, **kwargs: Any) -> Sandbox:
     """A new (not yet started) sandbox of the spec's backend; backends are imported only when used."""
     spec = spec or SandboxSpec(**kwargs)
+    if spec.backend == "auto":
+        spec = dataclasses.replace(spec, backend=auto_backend(spec.image))
     if spec.backend == "docker":
         from sandboxes.docker import DockerSandbox
 
@@ -338,6 +344,27 @@ def create_sandbox(spec: SandboxSpec | None = None, **kwargs: Any) -> Sandbox:
     from sandboxes.unsafe import UnsafeSubprocessSandbox
 
     return UnsafeSubprocessSandbox(spec)
+
+
+@functools.cache
+def auto_backend(image: str) -> BackendName:
+    """What backend="auto" means on this machine: "docker" when an engine answers and has `image`, else
+    "local" when bubblewrap is installed (decided once per process and image)."""
+    import shutil
+
+    try:
+        from sandboxes.docker import docker_client
+
+        docker_client().images.get(image)
+        return "docker"
+    except Exception as exc:  # no engine, no image, no docker SDK: all mean "not Docker here"
+        docker_problem = f"{type(exc).__name__}: {exc}"
+    if shutil.which("bwrap"):
+        return "local"
+    raise errors.EngineUnavailable(
+        f"backend='auto' found neither Docker with image {image!r} ({docker_problem}) nor bubblewrap; "
+        "start a Docker engine and run `harness sandbox build-image`, or apt-get install bubblewrap"
+    )
 
 
 # --- exit hook ----------------------------------------------------------------------------------------

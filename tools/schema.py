@@ -203,7 +203,15 @@ def _describe(fn: Callable[..., Any], tool_name: str) -> _Description:
     implicit_none: set[str] = set()
     call_hints: dict[str, Any] = {}
     accepts_extra = False
-    for param in inspect.signature(fn).parameters.values():
+    params = list(inspect.signature(fn).parameters.values())
+    if (
+        inspect.isfunction(fn)
+        and params
+        and params[0].name in ("self", "cls")
+        and params[0].annotation is params[0].empty
+    ):
+        params = params[1:]  # a method taken from its class: the receiver is bound later, never sent
+    for param in params:
         if param.kind is param.VAR_KEYWORD:
             accepts_extra = True
             continue
