@@ -3,6 +3,8 @@
     TurnRecord        one sampling request: the prompt sent and the tokens that came back (spec name)
     TrainingSequence  one sample's tokens as reconciliation builds them from a rollout's turns
     TrainingSample    a TrainingSequence with its advantage and provenance, what the trainer packs
+    Rollout           one finished rollout: its messages, turns, tool counts, status (spec name)
+    RolloutGroup      the num_generations rollouts of one prompt, scored together (spec name)
 
 A multi-turn rollout is a list of TurnRecords; reconciliation (`harness/reconcile.py`) turns them into one
 or more TrainingSequences (more when a turn's prompt does not extend the tokens held so far); scoring
@@ -13,7 +15,11 @@ off the names.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
 
 
 @dataclass
@@ -100,3 +106,68 @@ class TrainingSample:
     group_id: int
     model_version: int = 0
     queued_at: float = 0.0
+
+
+RolloutStatus = Literal["ok", "failed"]
+
+
+@dataclass
+class Rollout:
+    """One finished rollout, as `AsyncRolloutLoop.generate_one` returns it (the reference's fields first).
+
+    Attributes:
+        completion: Messages generated after the prompt; passed to reward functions as `completions`.
+        completion_ids: Token ids of the completion (generated tokens, every turn); `completion_ids`.
+        turns: The sampling requests that produced it, in order; training sequences are built from them.
+        tool_call_count: Tool calls made during the rollout.
+        tool_failure_count: Those that failed.
+        reward: A reward set while generating (e.g. an external grader); summed with the others. None
+            when this source does not score the rollout.
+        rollout_id: Identifies the rollout in its training rows.
+        status: "ok", or "failed" when infrastructure failed it (a sandbox that died, a server error after
+            retries, an exception in environment code): such a rollout is kept out of the group's
+            statistics and out of training unless the config scores failures.
+        error_type: The failure's exception type, e.g. "SandboxDied" (None when ok).
+        error: The failure's message.
+        environment: Name of the environment the rollout ran in (None without environments).
+        stop_reason: Why generation stopped: "stop" (no tool call), "max_tool_calling_iterations",
+            "max_model_len", "length" (cut by max_completion_length), "episode_timeout", "failed".
+    """
+
+    completion: list[dict[str, Any]]
+    completion_ids: list[int]
+    turns: list[TurnRecord]
+    tool_call_count: int = 0
+    tool_failure_count: int = 0
+    reward: float | None = None
+    rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    status: RolloutStatus = "ok"
+    error_type: str | None = None
+    error: str | None = None
+    environment: str | None = None
+    stop_reason: str = "stop"
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+
+@dataclass
+class RolloutGroup:
+    """The num_generations rollouts of one prompt, scored together; each list has one entry per rollout."""
+
+    prompts: list[list[dict[str, Any]]]
+    reward_kwargs: dict[str, list[Any]]
+    completions: list[list[dict[str, Any]]]
+    completions_ids: list[list[int]]
+    completions_sequences: list[list[TrainingSequence]]
+    tool_call_counts: list[int]
+    tool_failure_counts: list[int]
+    model_version: int
+    group_id: int
+    row_index: int
+    env_rewards: list[tuple[type, float] | None]
+    rollout_rewards: list[float | None]
+    queued_at: float = 0.0
+    rewards: np.ndarray | None = None
+    rollouts: list[Rollout] = field(default_factory=list)  # beyond the reference: the full records
