@@ -11,6 +11,12 @@ results here and takes a `summary()` once per logging window:
     tools/parallel_calls_mean                             mean calls per assistant turn that called tools
     tools/failure_frequency                               failed calls / calls; NaN in a window with no call
     tools/hung_threads                                    sync calls that timed out and still hold a thread
+    tools/parse_error_count                               tool calls the parser could not read (sum)
+    tools/parse_error/{family}_count                      the same per parser family (qwen, llama, ...)
+    tools/parse_error/{kind}_count                        the same per kind (bad_json, truncated, ...)
+
+Parse errors come from the tool-call parser (`tools.parsers`), before any call runs; the rollout loop
+records them with `record_parse_errors(parsed.errors)` for every reply.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tools.calls import ToolResult, ToolStatus
+from tools.parsers.base import ParseError
 
 
 @dataclass
@@ -40,6 +47,8 @@ class ToolStats:
     _failures: int = 0
     _latency_s: float = 0.0
     _turns_with_calls: int = 0
+    _parse_errors_by_family: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _parse_errors_by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def record(self, results: Sequence[ToolResult]) -> None:
         """Record the results of one assistant turn's tool calls."""
@@ -59,6 +68,12 @@ class ToolStats:
             per_tool.failures += not result.ok
             per_tool.latency_s += result.latency_s
 
+    def record_parse_errors(self, errors: Sequence[ParseError]) -> None:
+        """Record the calls of one reply that the parser could not read (`ParsedMessage.errors`)."""
+        for error in errors:
+            self._parse_errors_by_family[error.family] += 1
+            self._parse_errors_by_kind[str(error.kind)] += 1
+
     def summary(self, *, hung_threads: int | None = None) -> dict[str, float]:
         """The window's metrics (see the module docstring). Does not reset; call `reset()` for that."""
         out: dict[str, float] = {}
@@ -75,6 +90,11 @@ class ToolStats:
             self._calls / self._turns_with_calls if self._turns_with_calls else math.nan
         )
         out["tools/failure_frequency"] = self._failures / self._calls if self._calls else math.nan
+        out["tools/parse_error_count"] = sum(self._parse_errors_by_family.values())
+        for family, count in sorted(self._parse_errors_by_family.items()):
+            out[f"tools/parse_error/{family}_count"] = count
+        for kind, count in sorted(self._parse_errors_by_kind.items()):
+            out[f"tools/parse_error/{kind}_count"] = count
         if hung_threads is not None:
             out["tools/hung_threads"] = hung_threads
         return out
@@ -83,5 +103,7 @@ class ToolStats:
         """Start a new window."""
         self._per_tool.clear()
         self._by_status.clear()
+        self._parse_errors_by_family.clear()
+        self._parse_errors_by_kind.clear()
         self._calls = self._failures = self._turns_with_calls = 0
         self._latency_s = 0.0
