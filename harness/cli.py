@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from harness.server.cli import add_serve_command, run_serve
+
 # Equal to sandboxes.image.DEFAULT_IMAGE (a test checks it); not imported, so that building the parser
 # imports nothing from the sandboxes package.
 _SANDBOX_IMAGE = "agent-harness/python:bookworm"
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("targets", nargs="+", metavar="MODULE:NAME", help="e.g. mypkg.tools:search")
 
     _add_sandbox_commands(commands)
+    add_serve_command(commands)
     _add_envs_commands(commands)
     return parser
 
@@ -126,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"agent-harness {__version__}")
         return 0
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "smoke":
         from harness.smoke import run_smoke
 

@@ -1,0 +1,670 @@
+"""The generation client: how the rollout worker and the trainer talk to a vLLM-protocol server.
+
+One `GenerationClient` per process, against a real `vllm serve` or the built-in server (`harness serve`),
+which speak the same protocol (`shared/spec/vllm-protocol.md`). Built on the `openai` package (>= 2.0):
+`AsyncOpenAI.completions.create` for generation, vLLM's extra request fields through `extra_body` and its
+extra response fields through `model_extra`, and the same HTTP stack for vLLM's other routes.
+
+Usage (the rollout loop, one turn):
+
+    async with GenerationClient("http://localhost:8000", timeout_s=1800, max_concurrency=512) as client:
+        await client.wait_until_ready()
+        sampling = SamplingConfig(max_tokens=2048, temperature=1.0, num_logprobs=8)
+        completion = await client.generate(prompt_ids, sampling)
+        turn = completion.to_turn_record(prompt_ids)     # a TurnRecord for reconciliation
+        if completion.truncated: ...                     # completion.truncation_reason says why
+
+and the trainer, per weight sync, with the built-in server: `await client.update_weights(named_params)`
+(same host, through /dev/shm), or `init_weight_broadcast` once then `update_weights_broadcast` (NCCL
+through torch.distributed; gloo on CPU). A vLLM server's NCCL engine rendezvous through vLLM's own
+stateless process group, which torch.distributed cannot join: syncing a vLLM server needs vLLM's
+trainer-side helper (not part of this module).
+
+Error policy:
+* Transient failures (connection errors, timeouts, 5xx, a request the server aborted) are retried with
+  capped exponential backoff (`max_retries`, `retry_backoff_s` doubling up to `retry_backoff_max_s`) and
+  counted (`rollout/vllm_retry_count` in `pop_metrics()`); past the last retry they raise
+  `ServerUnavailableError`.
+* A 4xx is deterministic and never retried: `ServerRequestError`. Except a prompt too long for the
+  server's max_model_len: that is the rollout's own outcome, not an error. `generate` returns a
+  Completion with finish_reason "prompt_too_long" (no request is sent when max_model_len is known), and
+  it caps max_tokens at max_model_len - len(prompt), so a turn that would overrun the context stops at
+  max_model_len with finish_reason "length" instead of being rejected.
+* Weight-sync, pause and adapter calls are not retried (a half-applied sync must surface).
+
+Connections: generation requests get a pool of `max_concurrency` connections (the rollout worker's
+max_concurrent_rollouts), so the pool never silently caps concurrency; control calls (health, metrics,
+pause, weights, adapters) get a small pool of their own, so a weight sync never queues behind 512
+generations. Timeouts: `timeout_s` (the config's vllm_server_timeout) for every call and for waiting for
+readiness.
+
+Shutdown: `aclose()` (or leaving `async with`) closes both connection pools; in-flight calls fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import anyio
+import openai
+
+from harness.server_metrics import ServerLoad
+from harness.types import TurnRecord
+
+if TYPE_CHECKING:
+    import torch
+
+    from harness.weight_transfer import BroadcastGroup
+
+T = TypeVar("T")
+FinishReason = Literal["stop", "length", "prompt_too_long"]
+PauseMode = Literal["keep", "wait", "abort"]
+
+# Phrases of vLLM's (and the built-in server's) 400 answers for a prompt that does not fit max_model_len.
+_CONTEXT_LENGTH_PHRASES = ("maximum context length", "maximum model length", "longer than the maximum")
+_CONTROL_CONNECTIONS = 16
+
+
+class GenerationError(Exception):
+    """Base of the client's errors."""
+
+
+class ServerUnavailableError(GenerationError, ConnectionError):
+    """The server could not be reached or kept failing (transient errors outlasted the retries)."""
+
+
+class ServerRequestError(GenerationError, ValueError):
+    """The server refused a request with a 4xx (deterministic: never retried).
+
+    Attributes:
+        status: The HTTP status.
+        message: The server's error message.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status, message)
+        self.status = status
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.status}: {self.message}"
+
+
+class ProtocolMismatchError(GenerationError, ValueError):
+    """The server answered, but not in the shape the protocol promises (e.g. vLLM too old for token ids)."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling settings of one generation request (the trainer config's names in brackets).
+
+    Attributes:
+        max_tokens: Most tokens to generate (max_completion_length).
+        temperature: Softmax temperature; 0 is greedy (temperature).
+        top_p: Nucleus mass, 1 disables (top_p).
+        top_k: Top-k truncation, 0 disables (top_k).
+        min_p: Min-p truncation, 0 disables (min_p).
+        repetition_penalty: 1 disables (repetition_penalty).
+        num_logprobs: Top log-probs per generated token to return (num_sampler_logprobs); 0 returns only the
+            sampled tokens' log-probs.
+    """
+
+    max_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    num_logprobs: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.num_logprobs < 0:
+            raise ValueError(f"num_logprobs must be non-negative, got {self.num_logprobs}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one generation request produced, ready for a TurnRecord.
+
+    Attributes:
+        output_ids: Generated token ids (a stop token included).
+        output_log_probs: The sampler's (processed) log-prob of each output token.
+        output_sampler_logprobs: Per output token, the sampler's num_logprobs most likely tokens
+            {token id: log-prob}, most likely first; None when num_logprobs was 0.
+        finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len reached) or
+            "prompt_too_long" (nothing generated: the prompt already fills max_model_len).
+        stop_reason: The stop token id when a stop_token_ids entry ended it (vLLM's stop_reason), else None.
+        truncation_reason: Why a truncated turn stopped: "max_tokens", "max_model_len", or the server's
+            message for a prompt too long; None when it finished on its own.
+    """
+
+    output_ids: list[int]
+    output_log_probs: list[float]
+    output_sampler_logprobs: list[dict[int, float]] | None
+    finish_reason: FinishReason
+    stop_reason: int | None = None
+    truncation_reason: str | None = None
+
+    @property
+    def truncated(self) -> bool:
+        """True when the turn did not end on its own (the rollout counts as clipped)."""
+        return self.finish_reason != "stop"
+
+    def to_turn_record(self, prompt_ids: list[int]) -> TurnRecord:
+        return TurnRecord(
+            prompt_ids=list(prompt_ids),
+            output_ids=list(self.output_ids),
+            output_log_probs=list(self.output_log_probs),
+            output_sampler_logprobs=self.output_sampler_logprobs,
+        )
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model, from /v1/models: its id and max_model_len (None when the server does not say)."""
+
+    id: str
+    max_model_len: int | None
+
+
+def parse_top_logprobs(entries: list[dict[str, float]] | None, num_logprobs: int) -> list[dict[int, float]]:
+    """vLLM's per-token top_logprobs ({"token_id:<id>": logprob}) as {id: logprob}, num_logprobs most likely.
+
+    vLLM lists the sampled token too, even when it is outside the top K; it is dropped here unless it ranks
+    among the K most likely. NaN values are dropped.
+    """
+    parsed = []
+    for entry in entries or []:
+        pairs = []
+        for key, logprob in (entry or {}).items():
+            if logprob is None or math.isnan(logprob):
+                continue
+            pairs.append((parse_token_key(key), float(logprob)))
+        pairs.sort(key=lambda pair: pair[1], reverse=True)
+        parsed.append(dict(pairs[:num_logprobs]))
+    return parsed
+
+
+def parse_token_key(key: str) -> int:
+    """The id in vLLM's "token_id:<id>" (return_tokens_as_token_ids)."""
+    prefix, _, number = key.partition(":")
+    if prefix != "token_id" or not number.lstrip("-").isdigit():
+        raise ProtocolMismatchError(
+            f"top_logprobs key {key!r} is not token_id:<id> (return_tokens_as_token_ids)"
+        )
+    return int(number)
+
+
+def _is_context_length_error(message: str) -> bool:
+    lowered = message.lower()
+    return any(phrase in lowered for phrase in _CONTEXT_LENGTH_PHRASES)
+
+
+def _error_message(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return inner["message"]
+        if isinstance(body.get("message"), str):
+            return body["message"]
+    return exc.message
+
+
+class _AbortedByServer(Exception):
+    """The server finished the request with finish_reason "abort" (a pause in abort mode): retried."""
+
+
+class GenerationClient:
+    """Async client of one vLLM-protocol server (see the module docstring for usage and error policy).
+
+    Args:
+        base_url: The server's root URL ("http://host:8000"; a trailing "/v1" is accepted).
+        timeout_s: Timeout of each call, and of `wait_until_ready` (vllm_server_timeout).
+        max_concurrency: Generation requests in flight at most (max_concurrent_rollouts): the size of the
+            connection pool.
+        model: Model name to send; default: the served model's id (from /v1/models).
+        max_retries: Retries of a generation request after transient failures.
+        retry_backoff_s: First backoff; doubles per retry up to retry_backoff_max_s (with +-25% jitter).
+        retry_backoff_max_s: Cap of the backoff.
+        api_key: Sent as a bearer token (vLLM's --api-key); "EMPTY" when the server has none.
+    """
+
+    def __init__(
+        self,
+        base_url: str = "http://localhost:8000",
+        *,
+        timeout_s: float = 1800.0,
+        max_concurrency: int = 512,
+        model: str | None = None,
+        max_retries: int = 8,
+        retry_backoff_s: float = 0.5,
+        retry_backoff_max_s: float = 30.0,
+        api_key: str = "EMPTY",
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        self.root_url = base_url.rstrip("/").removesuffix("/v1")
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self.model = model
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_backoff_max_s = retry_backoff_max_s
+        self._generation = self._openai(api_key, max_concurrency)
+        self._control = self._openai(api_key, _CONTROL_CONNECTIONS)
+        self._model_info: ModelInfo | None = None
+        self._model_info_lock = anyio.Lock()
+        self._seeds = random.Random(uuid.uuid4().int)
+        self._counter_lock = threading.Lock()
+        self.num_retries = 0
+        self._num_retries_reported = 0
+
+    def _openai(self, api_key: str, connections: int) -> openai.AsyncOpenAI:
+        # The openai package's own HTTP types (httpx in 2.x, httpx2 in 3.x), taken from its defaults so this
+        # works with both.
+        limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
+            max_connections=connections, max_keepalive_connections=connections
+        )
+        timeout = type(openai.DEFAULT_TIMEOUT)(self.timeout_s, connect=min(self.timeout_s, 10.0))
+        http_client = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.root_url}/v1",
+            api_key=api_key,
+            max_retries=0,
+            timeout=timeout,
+            http_client=http_client,
+        )
+
+    async def __aenter__(self) -> GenerationClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close both connection pools (idempotent)."""
+        await self._generation.close()
+        await self._control.close()
+
+    # ------------------------------------------------------------------ metrics
+
+    def _count_retry(self) -> None:
+        with self._counter_lock:
+            self.num_retries += 1
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Counters since the previous call: {"rollout/vllm_retry_count": retried requests}."""
+        with self._counter_lock:
+            retries = self.num_retries - self._num_retries_reported
+            self._num_retries_reported = self.num_retries
+        return {"rollout/vllm_retry_count": float(retries)}
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _request(
+        self,
+        method: Literal["get", "post"],
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> str:
+        """One control call to `path` at the server's root; its body as text. Typed errors, no retries."""
+        url = f"{self.root_url}{path}"
+        options: dict[str, Any] = {"params": params} if params else {}
+        try:
+            if method == "get":
+                return await self._control.get(url, cast_to=str, options=options)
+            return await self._control.post(url, cast_to=str, body=body or {}, options=options)
+        except openai.APIStatusError as exc:
+            if exc.status_code < 500:
+                raise ServerRequestError(exc.status_code, _error_message(exc)) from exc
+            raise ServerUnavailableError(
+                f"{method.upper()} {path}: {exc.status_code} {_error_message(exc)}"
+            ) from exc
+        except openai.APIConnectionError as exc:
+            raise ServerUnavailableError(f"{method.upper()} {path}: {exc}") from exc
+
+    async def _json(self, method: Literal["get", "post"], path: str, **kwargs: Any) -> Any:
+        text = await self._request(method, path, **kwargs)
+        try:
+            return json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise ProtocolMismatchError(f"{path} answered with non-JSON text: {text[:200]!r}") from exc
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        attempt = 0
+        while True:
+            try:
+                return await call()
+            except openai.APIStatusError as exc:
+                if exc.status_code < 500:
+                    raise
+                failure: Exception = exc
+            except (openai.APIConnectionError, _AbortedByServer) as exc:
+                failure = exc
+            if attempt >= self.max_retries:
+                raise ServerUnavailableError(
+                    f"{what} failed after {attempt + 1} attempts: {failure}"
+                ) from failure
+            attempt += 1
+            self._count_retry()
+            backoff = min(self.retry_backoff_max_s, self.retry_backoff_s * 2 ** (attempt - 1))
+            await anyio.sleep(backoff * random.uniform(0.75, 1.25))
+
+    # ------------------------------------------------------------------ readiness and model
+
+    async def wait_until_ready(self, timeout_s: float | None = None, poll_interval_s: float = 2.0) -> None:
+        """Poll /health until it answers 200; ServerUnavailableError after `timeout_s` (default timeout_s)."""
+        deadline = anyio.current_time() + (self.timeout_s if timeout_s is None else timeout_s)
+        last_error: Exception | None = None
+        while True:
+            try:
+                await self._request("get", "/health")
+                return
+            except (ServerUnavailableError, ServerRequestError) as exc:
+                last_error = exc
+            if anyio.current_time() + poll_interval_s > deadline:
+                raise ServerUnavailableError(
+                    f"{self.root_url} was not ready in time: {last_error}"
+                ) from last_error
+            await anyio.sleep(poll_interval_s)
+
+    async def model_info(self, refresh: bool = False) -> ModelInfo:
+        """The served model's id and max_model_len (GET /v1/models, cached)."""
+        async with self._model_info_lock:
+            if self._model_info is None or refresh:
+                body = await self._json("get", "/v1/models")
+                try:
+                    card = body["data"][0]
+                except (KeyError, IndexError, TypeError) as exc:
+                    raise ProtocolMismatchError(f"/v1/models lists no model: {body!r:.200}") from exc
+                max_len = card.get("max_model_len")
+                self._model_info = ModelInfo(
+                    id=str(card["id"]), max_model_len=int(max_len) if max_len else None
+                )
+            return self._model_info
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        *,
+        model: str | None = None,
+        seed: int | None = None,
+    ) -> Completion:
+        """Sample one turn from the token ids of its whole prompt (see the module doc for outcomes).
+
+        Args:
+            prompt_ids: The full prompt, every earlier turn included.
+            sampling: Sampling settings.
+            model: Model (or LoRA adapter) name; default: the client's `model`, else the served model.
+            seed: Seed of this request; default: a fresh random one per request (reused by its retries).
+        """
+        info = await self.model_info()
+        if info.max_model_len is not None and len(prompt_ids) >= info.max_model_len:
+            return _prompt_too_long(
+                f"the prompt has {len(prompt_ids)} tokens, max_model_len is {info.max_model_len}"
+            )
+        max_tokens = sampling.max_tokens
+        capped = info.max_model_len is not None and len(prompt_ids) + max_tokens > info.max_model_len
+        if capped:
+            max_tokens = info.max_model_len - len(prompt_ids)
+        request_seed = self._seeds.getrandbits(63) if seed is None else seed
+        extra_body: dict[str, Any] = {
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        model_name = model or self.model or info.id
+
+        async def attempt() -> Completion:
+            response = await self._generation.completions.create(
+                model=model_name,
+                prompt=list(prompt_ids),
+                max_tokens=max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                logprobs=sampling.num_logprobs,
+                seed=request_seed,
+                n=1,
+                extra_body=extra_body,
+            )
+            return self._parse_completion(response, sampling, max_tokens=max_tokens, capped=capped)
+
+        try:
+            return await self._retrying(attempt, "generation request")
+        except openai.APIStatusError as exc:
+            message = _error_message(exc)
+            if exc.status_code == 400 and _is_context_length_error(message):
+                return _prompt_too_long(message)
+            raise ServerRequestError(exc.status_code, message) from exc
+
+    def _parse_completion(
+        self, response: Any, sampling: SamplingConfig, *, max_tokens: int, capped: bool
+    ) -> Completion:
+        if not response.choices:
+            raise ProtocolMismatchError("the completion has no choices")
+        choice = response.choices[0]
+        extra = choice.model_extra or {}
+        token_ids = extra.get("token_ids")
+        if token_ids is None:
+            raise ProtocolMismatchError(
+                "the server returned no token_ids: it ignores return_token_ids (vLLM >= 0.10.2 is needed)"
+            )
+        if choice.finish_reason == "abort":
+            raise _AbortedByServer("the server aborted the request")
+        logprobs = choice.logprobs
+        if logprobs is None or logprobs.token_logprobs is None:
+            raise ProtocolMismatchError("the server returned no logprobs for the generated tokens")
+        token_logprobs = [float("nan") if lp is None else float(lp) for lp in logprobs.token_logprobs]
+        if len(token_logprobs) != len(token_ids):
+            raise ProtocolMismatchError(f"{len(token_ids)} token ids but {len(token_logprobs)} logprobs")
+        top = None
+        if sampling.num_logprobs > 0:
+            top = parse_top_logprobs(logprobs.top_logprobs, sampling.num_logprobs)
+            if len(top) != len(token_ids):
+                raise ProtocolMismatchError(f"{len(token_ids)} token ids but {len(top)} top_logprobs entries")
+        finish_reason = "stop" if choice.finish_reason == "stop" else "length"
+        truncation_reason = None
+        if finish_reason == "length":
+            truncation_reason = "max_model_len" if capped and len(token_ids) >= max_tokens else "max_tokens"
+        stop_reason = extra.get("stop_reason")
+        return Completion(
+            output_ids=[int(t) for t in token_ids],
+            output_log_probs=token_logprobs,
+            output_sampler_logprobs=top,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason if isinstance(stop_reason, int) else None,
+            truncation_reason=truncation_reason,
+        )
+
+    # ------------------------------------------------------------------ load
+
+    async def server_load(self) -> ServerLoad | None:
+        """The server's load from /metrics; None when it has no /metrics (then the cap stays fixed)."""
+        try:
+            text = await self._request("get", "/metrics")
+        except ServerRequestError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return ServerLoad.from_text(text)
+
+    # ------------------------------------------------------------------ pause
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """POST /pause (keep: in-flight requests freeze and continue after resume)."""
+        await self._request("post", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("post", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._json("get", "/is_paused"))["is_paused"])
+
+    # ------------------------------------------------------------------ weights
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, directory: str | Path | None = None
+    ) -> None:
+        """Push new weights to a built-in server on this host through a shared-memory file.
+
+        Pause (keep) -> /start_weight_update -> write the file -> /update_weights (manifest + path) ->
+        /finish_weight_update -> resume; the file is deleted in every case. On failure the server stays
+        paused with whatever it had applied, as the protocol says, and the error propagates.
+        """
+        from harness.weight_transfer import default_weights_dir, write_weights_file
+
+        tensors = list(named_tensors)
+        path = Path(directory or default_weights_dir()) / f"agent-harness-weights-{uuid.uuid4().hex}.bin"
+        await self.pause("keep")
+        try:
+            await self._request("post", "/start_weight_update", body={"is_checkpoint_format": True})
+            manifest = await anyio.to_thread.run_sync(write_weights_file, tensors, path)
+            info = {**manifest.to_update_info(), "path": str(path)}
+            await self._request("post", "/update_weights", body={"update_info": info})
+            await self._request("post", "/finish_weight_update")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._finish_after_failure()
+            raise
+        finally:
+            path.unlink(missing_ok=True)
+        await self.resume()
+
+    async def _finish_after_failure(self) -> None:
+        # Best effort: the original failure is what the caller must see.
+        with contextlib.suppress(GenerationError):
+            await self._request("post", "/finish_weight_update")
+
+    async def init_weight_broadcast(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        backend: str = "nccl",
+        device: torch.device | str | None = None,
+        timeout_s: float | None = None,
+    ) -> BroadcastGroup:
+        """Form the trainer-server process group (trainer = rank 0) for `update_weights_broadcast`.
+
+        The HTTP call and the trainer's own rendezvous run together, as each waits for the other.
+        `device`: the trainer's CUDA device for NCCL buffers (default: the current one).
+        """
+        from harness.weight_transfer import BroadcastGroup
+
+        world_size = 1 + int((await self._json("get", "/get_world_size"))["world_size"])
+        init_info = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "packed": True,
+            "backend": backend,
+        }
+        groups: list[BroadcastGroup] = []
+
+        def connect() -> None:
+            groups.append(
+                BroadcastGroup.connect(
+                    master_address=master_address,
+                    master_port=master_port,
+                    rank=0,
+                    world_size=world_size,
+                    backend=backend,
+                    timeout_s=timeout_s or self.timeout_s,
+                    device=device,
+                )
+            )
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(anyio.to_thread.run_sync, connect)
+            await self._request("post", "/init_weight_transfer_engine", body={"init_info": init_info})
+        return groups[0]
+
+    async def update_weights_broadcast(
+        self,
+        group: BroadcastGroup,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        buffer_size_bytes: int | None = None,
+    ) -> None:
+        """Push new weights through the broadcast group: pause, start, broadcast + manifest, finish, resume.
+
+        The broadcast runs on a worker thread and the HTTP call (which has a timeout) on this task, so a
+        server that fails the update raises here instead of hanging in the collective.
+        """
+        from harness.weight_transfer import DEFAULT_BUFFER_SIZE_BYTES, WeightManifest
+
+        tensors = list(named_tensors)
+        buffer_size = buffer_size_bytes or DEFAULT_BUFFER_SIZE_BYTES
+        info = {
+            **WeightManifest.of(tensors).to_update_info(),
+            "packed": True,
+            "buffer_size_bytes": buffer_size,
+        }
+        await self.pause("keep")
+        try:
+            await self._request("post", "/start_weight_update", body={"is_checkpoint_format": True})
+            sender = threading.Thread(target=group.send, args=(tensors, buffer_size), daemon=True)
+            sender.start()
+            await self._request("post", "/update_weights", body={"update_info": info})
+            await anyio.to_thread.run_sync(sender.join)
+            await self._request("post", "/finish_weight_update")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._finish_after_failure()
+            raise
+        await self.resume()
+
+    # ------------------------------------------------------------------ LoRA
+
+    async def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Load a PEFT adapter directory under `name` (the server reads the path itself)."""
+        await self._request(
+            "post",
+            "/v1/load_lora_adapter",
+            body={"lora_name": name, "lora_path": str(path), "load_inplace": False},
+        )
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._request("post", "/v1/unload_lora_adapter", body={"lora_name": name})
+
+
+def _prompt_too_long(message: str) -> Completion:
+    return Completion(
+        output_ids=[],
+        output_log_probs=[],
+        output_sampler_logprobs=None,
+        finish_reason="prompt_too_long",
+        truncation_reason=message,
+    )
+
+
+__all__ = [
+    "Completion",
+    "GenerationClient",
+    "GenerationError",
+    "ModelInfo",
+    "ProtocolMismatchError",
+    "SamplingConfig",
+    "ServerRequestError",
+    "ServerUnavailableError",
+    "parse_top_logprobs",
+]

@@ -1,0 +1,618 @@
+"""The built-in server's engine: continuous batching of generation requests over one model on one device.
+
+Who talks to it: the HTTP layer (`harness/server/app.py`) submits requests, aborts those whose client went
+away, pauses and resumes, and runs weight and adapter updates through `call`; it reads `stats()` for
+/metrics. All model work happens on the engine's own thread, so torch never runs on the event loop.
+
+The loop, once per step: run queued commands (weight updates, adapter changes, pause), take new and aborted
+requests, admit waiting requests into free cache rows while the KV budget allows, prefill the rows that
+have no cache yet (new, or preempted) in one left-padded batch, then decode one token for every running
+row in one batch. Requests join and leave between steps: that is the continuous batching. A finished row
+is refilled by the last row, so running requests always occupy rows 0..n-1 (see `kv_cache.py`).
+
+Why not transformers' own ContinuousBatchingManager (`generate_batch`, paged attention): in 5.17 and 5.24 it
+samples with one global RNG and one `do_sample` switch for the whole batch, so a request's tokens depend on
+its neighbours and greedy and sampled requests cannot share a batch; it returns only the sampled token's
+log-prob (no top-k, no processed log-probs), has no min-p or repetition penalty per request, offers no
+way to swap weights or LoRA adapters under running requests, and its internals (cache manager, model
+runner) differ between the two versions we support. Extending it would mean patching private code twice,
+so the scheduler and cache are our own; the model forward is still transformers', through its
+AttentionInterface.
+
+Preemption: when the rows times the longest sequence would exceed the KV budget, the newest request goes
+back to the front of the queue and is recomputed (prompt and output so far) when readmitted. A weight
+update or adapter change invalidates every cached key, so it preempts all running requests the same way
+(as vLLM resets its caches at a weight sync); both count in `num_preemptions`.
+
+Shutdown: `close()` stops the loop after the current step, finishes every pending request with finish
+reason "abort", and joins the thread. It is idempotent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import torch
+
+from harness.server.kv_cache import (
+    ATTN_IMPLEMENTATION,
+    ForwardBatch,
+    RowKVCache,
+    attention_shape,
+    check_model_supported,
+    forward_context,
+    register_attention,
+)
+from harness.server.sampling import RequestRandom, SamplingParams, sample_next_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from harness.server.lora import LoraAdapter
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is closed (or died); no request can be served."""
+
+
+@dataclass
+class GenerationOutput:
+    """What a finished request produced.
+
+    Attributes:
+        request_id: The id given at submission.
+        prompt_ids: The prompt.
+        output_ids: Generated tokens, the stop token included.
+        logprobs: Processed log-prob of each output token (None when not asked for).
+        top_logprobs: Per output token, its (token id, log-prob) top-k, most likely first (None when not
+            asked for).
+        finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len) or "abort".
+        stop_reason: The stop token id when a request's stop_token_ids ended it, else None.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: FinishReason
+    stop_reason: int | None = None
+
+
+DoneCallback = Callable[[GenerationOutput | BaseException], None]
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics, refreshed after every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    kv_cache_tokens: int = 0
+    kv_cache_allocated_bytes: int = 0
+    max_num_seqs: int = 0
+    is_paused: bool = False
+    weight_version: int = 0
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    random: RequestRandom
+    on_done: DoneCallback
+    adapter: LoraAdapter | None
+    arrival: int
+    tokens: list[int]
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_cached: int = 0  # positions whose keys are in the cache row
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+
+class Engine:
+    """Continuous batching over `model` (already on its device, in eval mode).
+
+    Args:
+        model: A causal LM that `kv_cache.check_model_supported` accepts.
+        max_model_len: Longest prompt + output.
+        eos_token_ids: Tokens that end a request (unless it sets ignore_eos).
+        max_num_seqs: Most requests decoded at once.
+        max_num_batched_tokens: Most prompt tokens prefilled in one step (one longer prompt still goes alone).
+        kv_cache_tokens: KV budget in tokens (rows x longest sequence); at least max_model_len.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        kv_cache_tokens: int,
+    ) -> None:
+        check_model_supported(model)
+        if kv_cache_tokens < max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens ({kv_cache_tokens}) must hold at least one sequence of max_model_len "
+                f"({max_model_len}); raise kv_cache_tokens or lower max_model_len"
+            )
+        register_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model
+        self.device = model.device
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        num_layers, num_kv_heads, head_dim = attention_shape(model)
+        self.cache = RowKVCache(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=model.dtype,
+            device=self.device,
+            max_rows=max_num_seqs,
+            max_length=max_model_len,
+            capacity_tokens=kv_cache_tokens,
+        )
+        self._running: list[_Request] = []  # index = cache row
+        self._waiting: deque[_Request] = deque()
+        self._inbox: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._abort_ids: set[str] = set()
+        self._abort_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._paused = False
+        self._draining: concurrent.futures.Future | None = None
+        self._closing = False
+        self._error: BaseException | None = None
+        self._stats = EngineStats(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+        self._counters = EngineStats(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+        self._thread = threading.Thread(target=self._run, name="harness-engine", daemon=True)
+        self._started = False
+
+    # ------------------------------------------------------------------ public, any thread
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop after the current step, abort whatever is pending, join the thread (idempotent)."""
+        self._closing = True
+        self._wake.set()
+        if self._started and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that killed the engine thread, if one did."""
+        return self._error
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_done: DoneCallback,
+        *,
+        adapter: LoraAdapter | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; `on_done` is called once, on the engine thread, with its output or an error."""
+        if self._closing or self._error is not None:
+            raise EngineClosedError("the engine is closed") from self._error
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under max_model_len")
+        arrival = next(self._ids)
+        request = _Request(
+            id=request_id or f"req-{arrival}",
+            prompt_ids=list(prompt_ids),
+            params=params,
+            random=RequestRandom(params.seed),
+            on_done=on_done,
+            adapter=adapter,
+            arrival=arrival,
+            tokens=list(prompt_ids),
+        )
+        self._inbox.put(request)
+        self._wake.set()
+        return request.id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (its client went away); it finishes with reason "abort" and frees its row."""
+        with self._abort_lock:
+            self._abort_ids.add(request_id)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread between two steps (also while paused); its result in a future."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._closing or self._error is not None:
+            future.set_exception(EngineClosedError("the engine is closed"))
+            return future
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    def pause(self, mode: PauseMode = "keep") -> concurrent.futures.Future[None]:
+        """Stop stepping. keep: freeze running requests; wait: let them finish first; abort: end them.
+
+        The future resolves once the engine is paused. New requests queue meanwhile.
+        """
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"unknown pause mode {mode!r} (keep, wait or abort)")
+        outer: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def start_pause() -> None:
+            if mode == "abort":
+                for request in [*self._running, *self._waiting]:
+                    self._finish(request, "abort")
+                self._running.clear()
+                self._waiting.clear()
+            if mode == "wait" and self._running:
+                self._draining = outer
+                return
+            self._paused = True
+            outer.set_result(None)
+
+        inner = self.call(start_pause)
+        inner.add_done_callback(lambda f: f.exception() and outer.set_exception(f.exception()))
+        return outer
+
+    def resume(self) -> concurrent.futures.Future[None]:
+        def do_resume() -> None:
+            self._paused = False
+            if self._draining is not None and not self._draining.done():
+                self._draining.set_result(None)
+            self._draining = None
+
+        return self.call(do_resume)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ------------------------------------------------------------------ engine thread only
+
+    def invalidate_cache(self) -> None:
+        """Forget every cached key (the weights changed): running requests are recomputed on resume."""
+        invalidated = [r for r in self._running if r.num_cached > 0]
+        for request in invalidated:
+            request.num_cached = 0
+        self._counters.num_preemptions += len(invalidated)
+
+    def bump_weight_version(self) -> None:
+        self._counters.weight_version += 1
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._closing:
+                    self._wake.clear()
+                    self._run_commands()
+                    self._take_inbox()
+                    self._apply_aborts()
+                    if self._draining is not None and not self._running:
+                        self._paused = True
+                        self._draining.set_result(None)
+                        self._draining = None
+                    if self._paused or not (self._running or self._waiting):
+                        self._publish_stats()
+                        self._wake.wait(timeout=1.0)
+                        continue
+                    self._step()
+                    self._publish_stats()
+        except BaseException as exc:
+            logger.exception("the generation engine died")
+            self._error = exc
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._closing = True
+        self._take_inbox()
+        pending = [*self._running, *self._waiting]
+        self._running.clear()
+        self._waiting.clear()
+        for request in pending:
+            if self._error is not None:
+                request.on_done(EngineClosedError(f"the engine died: {self._error!r}"))
+            else:
+                self._finish(request, "abort")
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            future.set_exception(EngineClosedError("the engine is closed"))
+        if self._draining is not None and not self._draining.done():
+            self._draining.set_exception(EngineClosedError("the engine is closed"))
+        self.cache.release()
+        self._publish_stats()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # the command's error goes to its caller, the engine carries on
+                future.set_exception(exc)
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                self._waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _apply_aborts(self) -> None:
+        with self._abort_lock:
+            ids, self._abort_ids = self._abort_ids, set()
+        if not ids:
+            return
+        for request in [r for r in self._waiting if r.id in ids]:
+            self._waiting.remove(request)
+            self._finish(request, "abort")
+        rows = [row for row, r in enumerate(self._running) if r.id in ids]
+        for row in sorted(rows, reverse=True):
+            self._finish(self._release_row(row), "abort")
+
+    def _publish_stats(self) -> None:
+        counters = self._counters
+        longest = max((len(r.tokens) for r in self._running), default=0)
+        self._stats = EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting) + self._inbox.qsize(),
+            kv_cache_usage=min(1.0, len(self._running) * longest / self.cache.capacity_tokens),
+            num_preemptions=counters.num_preemptions,
+            num_prompt_tokens=counters.num_prompt_tokens,
+            num_generation_tokens=counters.num_generation_tokens,
+            num_finished=dict(counters.num_finished),
+            kv_cache_tokens=self.cache.capacity_tokens,
+            kv_cache_allocated_bytes=self.cache.allocated_bytes,
+            max_num_seqs=self.max_num_seqs,
+            is_paused=self._paused,
+            weight_version=counters.weight_version,
+        )
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _step(self) -> None:
+        self._admit()
+        self._fit_budget()
+        to_prefill = [row for row, r in enumerate(self._running) if r.num_cached == 0]
+        budget = self.max_num_batched_tokens
+        chosen: list[int] = []
+        for row in to_prefill:
+            size = len(self._running[row].tokens)
+            if chosen and size > budget:
+                break
+            chosen.append(row)
+            budget -= size
+        if chosen:
+            self._prefill(chosen)
+        if any(r.num_cached == len(r.tokens) - 1 for r in self._running):
+            self._decode()
+
+    def _admit(self) -> None:
+        if self._draining is not None:
+            return
+        longest = max((len(r.tokens) for r in self._running), default=0)
+        budget = self.max_num_batched_tokens
+        admitted = 0
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting[0]
+            size = len(request.tokens)
+            needed = max(longest, size + 1)
+            if self._running and (len(self._running) + 1) * needed > self.cache.capacity_tokens:
+                break
+            if admitted and size > budget:
+                break
+            self._waiting.popleft()
+            request.num_cached = 0
+            self._running.append(request)
+            longest = needed
+            budget -= size
+            admitted += 1
+
+    def _fit_budget(self) -> None:
+        """Preempt the newest requests until rows x longest sequence fits the KV budget."""
+        while len(self._running) > 1:
+            longest = max(len(r.tokens) for r in self._running)
+            if len(self._running) * longest <= self.cache.capacity_tokens:
+                return
+            row = max(range(len(self._running)), key=lambda i: self._running[i].arrival)
+            request = self._release_row(row)
+            request.num_cached = 0
+            self._waiting.appendleft(request)
+            self._counters.num_preemptions += 1
+
+    def _release_row(self, row: int) -> _Request:
+        """Take the request out of `row`, moving the last row's request (and its cache) into the hole."""
+        request = self._running[row]
+        last = self._running.pop()
+        if last is not request:
+            self._running[row] = last
+            if last.num_cached:
+                self.cache.move_row(len(self._running), row, last.num_cached)
+        return request
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _lora_groups(self, requests: list[_Request]) -> list[tuple[Any, torch.Tensor]]:
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for index, request in enumerate(requests):
+            if request.adapter is not None:
+                groups.setdefault(id(request.adapter), (request.adapter, []))[1].append(index)
+        return [
+            (adapter, torch.tensor(indices, dtype=torch.long, device=self.device))
+            for adapter, indices in groups.values()
+        ]
+
+    def _prefill(self, rows: list[int]) -> None:
+        requests = [self._running[row] for row in rows]
+        lengths = [len(r.tokens) for r in requests]
+        num_batch, num_tokens = len(rows), max(lengths)
+        self.cache.reserve(len(self._running), max(len(r.tokens) for r in self._running))
+        device = self.device
+        input_ids = torch.zeros((num_batch, num_tokens), dtype=torch.long)
+        for b, request in enumerate(requests):
+            input_ids[b, num_tokens - lengths[b] :] = torch.tensor(request.tokens)
+        length_B = torch.tensor(lengths)
+        token_T = torch.arange(num_tokens)
+        pad_B = num_tokens - length_B
+        valid_BT = token_T[None, :] >= pad_B[:, None]
+        position_BT = (token_T[None, :] - pad_B[:, None]).clamp(min=0)
+        causal_TT = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+        mask = valid_BT[:, None, None, :] & causal_TT[None, None]
+        # A padding query attends to itself only, so its softmax has something to normalise (no NaN).
+        mask |= (~valid_BT)[:, None, :, None] & torch.eye(num_tokens, dtype=torch.bool)[None, None]
+        write_b, write_t = valid_BT.nonzero(as_tuple=True)
+        batch = ForwardBatch(
+            mode="prefill",
+            cache=self.cache,
+            rows_B=torch.tensor(rows, dtype=torch.long).to(device),
+            write_batch_N=write_b.to(device),
+            write_token_N=write_t.to(device),
+            write_position_N=position_BT[write_b, write_t].to(device),
+            attn_mask=mask.to(device),
+            lora_groups=self._lora_groups(requests),
+        )
+        logits = self._forward(batch, input_ids.to(device), position_BT.to(device))
+        for request in requests:
+            request.num_cached = len(request.tokens)
+            self._counters.num_prompt_tokens += len(request.tokens)
+        self._sample(list(zip(rows, requests, strict=True)), logits)
+
+    def _decode(self) -> None:
+        requests = list(self._running)
+        num_rows = len(requests)
+        lengths = [len(r.tokens) for r in requests]
+        kv_length = max(lengths)
+        self.cache.reserve(num_rows, kv_length)
+        device = self.device
+        length_B = torch.tensor(lengths)
+        batch = ForwardBatch(
+            mode="decode",
+            cache=self.cache,
+            rows_B=torch.arange(num_rows, device=device),
+            write_batch_N=torch.arange(num_rows, device=device),
+            write_token_N=torch.zeros(num_rows, dtype=torch.long, device=device),
+            write_position_N=(length_B - 1).to(device),
+            attn_mask=(torch.arange(kv_length)[None, :] < length_B[:, None])[:, None, None, :].to(device),
+            kv_length=kv_length,
+            lora_groups=self._lora_groups(requests),
+        )
+        input_ids = torch.tensor([[r.tokens[-1]] for r in requests], device=device)
+        # Rows still waiting for their prefill (the step's prefill budget ran out) ride along: their keys
+        # are rewritten by that prefill, and their logits are ignored here.
+        ready = [row for row, r in enumerate(requests) if r.num_cached == len(r.tokens) - 1]
+        logits = self._forward(batch, input_ids, (length_B - 1)[:, None].to(device))
+        for row in ready:
+            requests[row].num_cached = len(requests[row].tokens)
+        self._sample(
+            [(row, requests[row]) for row in ready], logits[ready] if len(ready) < num_rows else logits
+        )
+
+    def _forward(
+        self, batch: ForwardBatch, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        with forward_context(batch):
+            output = self.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1
+            )
+        return output.logits[:, -1]
+
+    def _sample(self, rows_and_requests: list[tuple[int, _Request]], logits: torch.Tensor) -> None:
+        requests = [request for _, request in rows_and_requests]
+        sampled = sample_next_tokens(
+            logits,
+            [r.params for r in requests],
+            [r.random for r in requests],
+            [r.tokens if r.params.repetition_penalty != 1.0 else [] for r in requests],
+        )
+        finished_rows: list[int] = []
+        for i, (row, request) in enumerate(rows_and_requests):
+            token = sampled.token_ids_B[i]
+            request.tokens.append(token)
+            self._counters.num_generation_tokens += 1
+            if request.params.num_logprobs is not None:
+                request.output_logprobs.append(sampled.logprobs_B[i])
+                request.output_top.append(sampled.top_B[i])
+            if self._stop_reason(request, token) is not None:
+                finished_rows.append(row)
+        for row in sorted(finished_rows, reverse=True):
+            request = self._release_row(row)
+            self._finish(request, *self._stop_reason(request, request.tokens[-1]))
+
+    def _stop_reason(self, request: _Request, token: int) -> tuple[FinishReason, int | None] | None:
+        params = request.params
+        if token in params.stop_token_ids:
+            return "stop", token
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+        if request.num_output >= params.max_tokens or len(request.tokens) >= self.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, request: _Request, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self._counters.num_finished[reason] += 1
+        wants_logprobs = request.params.num_logprobs is not None
+        output = GenerationOutput(
+            request_id=request.id,
+            prompt_ids=request.prompt_ids,
+            output_ids=request.tokens[len(request.prompt_ids) :],
+            logprobs=request.output_logprobs if wants_logprobs else None,
+            top_logprobs=request.output_top if wants_logprobs else None,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+        )
+        request.on_done(output)
+
+
+__all__ = [
+    "Engine",
+    "EngineClosedError",
+    "EngineStats",
+    "GenerationOutput",
+    "PauseMode",
+]

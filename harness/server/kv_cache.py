@@ -1,0 +1,288 @@
+"""The built-in server's KV cache, and the attention function that reads and writes it.
+
+Who talks to it: the engine (`harness/server/engine.py`) owns one `RowKVCache`, describes each forward pass
+in a `ForwardBatch` and runs the model inside `forward_context(batch)`; the model's attention layers call
+`row_cache_attention`, which transformers dispatches to because the engine sets the model's attention
+implementation to `ATTN_IMPLEMENTATION`. The model is called without a transformers `Cache` (use_cache=False),
+so none of transformers' cache or mask machinery runs: this module alone decides where keys and values live
+and what each query may attend to. That makes it work the same on transformers 5.17 and 5.24, whose
+continuous-batching internals differ.
+
+Layout: one dense row per running request, `[rows, kv_heads, length, head_dim]` per layer for keys and for
+values. The engine keeps running requests in rows 0..n-1 (a finished request's row is refilled by moving
+the last row into it), so a decode step attends over a plain slice of the cache, with no gather. Prefill
+runs a left-padded batch of new requests with ordinary causal attention over their fresh keys, and writes
+those keys into the requests' rows. Storage grows by doubling up to `max_rows x max_length`; the engine
+keeps `rows x longest sequence` within the token budget it was given (`capacity_tokens`), preempting the
+newest request when a step would exceed it.
+
+Supported models: decoder-only transformers models whose attention modules carry `layer_idx` and use the
+`AttentionInterface` (Llama, Qwen2, Qwen3, Mistral without sliding window, SmolLM2, ...) with full attention
+in every layer; `check_model_supported` says why another model is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+ATTN_IMPLEMENTATION = "harness_row_cache"
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture cannot be served by the built-in server's KV cache."""
+
+
+@dataclass
+class ForwardBatch:
+    """What one forward pass tells the attention function (index tensors live on the model's device).
+
+    A prefill batch holds new requests, left-padded to `num_tokens` positions; a decode batch holds one new
+    token for each of the cache rows 0..num_rows-1.
+
+    Attributes:
+        mode: "prefill" or "decode".
+        cache: The cache written and read.
+        rows_B: Cache row of each batch entry.
+        write_batch_N, write_token_N, write_position_N: For each real (non-padding) new token: its batch
+            entry, its index in the padded batch and its position in the sequence (where its key is stored).
+        attn_mask: Boolean, True where a query may attend: [B, 1, T, T] for prefill, [B, 1, 1, L] for decode.
+        kv_length: Decode only: the number of cache positions attended (the longest sequence in the batch).
+        lora_groups: For LoRA adapters used in this batch: (adapter, batch entries that use it).
+    """
+
+    mode: Literal["prefill", "decode"]
+    cache: RowKVCache
+    rows_B: torch.Tensor
+    write_batch_N: torch.Tensor
+    write_token_N: torch.Tensor
+    write_position_N: torch.Tensor
+    attn_mask: torch.Tensor
+    kv_length: int = 0
+    lora_groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+
+_current_batch: ContextVar[ForwardBatch | None] = ContextVar("harness_forward_batch", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(batch: ForwardBatch) -> Iterator[None]:
+    """Make `batch` the one the attention function (and LoRA hooks) see during the model call."""
+    token = _current_batch.set(batch)
+    try:
+        yield
+    finally:
+        _current_batch.reset(token)
+
+
+def current_batch() -> ForwardBatch | None:
+    return _current_batch.get()
+
+
+class RowKVCache:
+    """Keys and values of running requests, one dense row per request, grown on demand.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: The model's attention shape.
+        dtype, device: Where the cache lives (the model's).
+        max_rows: Most rows ever allocated (the engine's max_num_seqs).
+        max_length: Longest sequence (max_model_len).
+        capacity_tokens: Token budget the engine keeps `rows x longest sequence` under; reported as the
+            cache size in /metrics.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int,
+        max_length: int,
+        capacity_tokens: int,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.max_rows = max_rows
+        self.max_length = max_length
+        self.capacity_tokens = capacity_tokens
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self.allocated_rows = 0
+        self.allocated_length = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.allocated_rows * self.allocated_length * self.bytes_per_token
+
+    def reserve(self, num_rows: int, length: int) -> None:
+        """Make room for rows 0..num_rows-1 of `length` positions, keeping what those rows hold.
+
+        A dimension that must grow is doubled (so a long run reallocates O(log) times), within the row and
+        length limits and within `capacity_tokens`; the slack of the other dimension is dropped when keeping
+        it would exceed the budget.
+        """
+        if num_rows > self.max_rows or length > self.max_length:
+            raise ValueError(f"cache asked for {num_rows} rows x {length} positions, over its limits")
+        if num_rows <= self.allocated_rows and length <= self.allocated_length:
+            return
+        new_rows = max(num_rows, self.allocated_rows)
+        new_length = max(length, self.allocated_length)
+        if new_rows * new_length > self.capacity_tokens:
+            new_rows, new_length = num_rows, length
+        if num_rows > self.allocated_rows:
+            doubled = min(self.max_rows, max(2 * self.allocated_rows, 8), self.capacity_tokens // new_length)
+            new_rows = max(new_rows, doubled)
+        if length > self.allocated_length:
+            doubled = min(
+                self.max_length, max(2 * self.allocated_length, 64), self.capacity_tokens // new_rows
+            )
+            new_length = max(new_length, doubled)
+        shape = (new_rows, self.num_kv_heads, new_length, self.head_dim)
+        kept_rows, kept_length = min(self.allocated_rows, new_rows), min(self.allocated_length, new_length)
+        for store in (self._keys, self._values):
+            if store:
+                for layer in range(self.num_layers):
+                    grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                    grown[:kept_rows, :, :kept_length] = store[layer][:kept_rows, :, :kept_length]
+                    store[layer] = grown
+            else:
+                # zeros, not empty: masked-out positions still enter the value product with weight 0, and
+                # 0 x NaN from uninitialised memory would poison the output.
+                store.extend(
+                    torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+                )
+        self.allocated_rows, self.allocated_length = new_rows, new_length
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy the first `length` positions of row `source` into row `target` (compaction)."""
+        for store in (self._keys, self._values):
+            for layer in range(self.num_layers):
+                store[layer][target, :, :length] = store[layer][source, :, :length]
+
+    def release(self) -> None:
+        """Free the storage (the next `reserve` allocates afresh)."""
+        self._keys, self._values = [], []
+        self.allocated_rows = self.allocated_length = 0
+
+    def write(self, layer: int, batch: ForwardBatch, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the real new tokens' keys and values ([B, kv_heads, T, head_dim]) at their positions."""
+        rows_N = batch.rows_B[batch.write_batch_N]
+        self._keys[layer][rows_N, :, batch.write_position_N] = keys[
+            batch.write_batch_N, :, batch.write_token_N
+        ]
+        self._values[layer][rows_N, :, batch.write_position_N] = values[
+            batch.write_batch_N, :, batch.write_token_N
+        ]
+
+    def rows(self, layer: int, num_rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of rows 0..num_rows-1, positions 0..length-1: [num_rows, kv_heads, length, head_dim]."""
+        return self._keys[layer][:num_rows, :, :length], self._values[layer][:num_rows, :, :length]
+
+
+def row_cache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for the engine's batches, in the signature transformers' AttentionInterface expects.
+
+    query: [B, heads, T, head_dim]; key, value: [B, kv_heads, T, head_dim] for the new tokens only (the
+    cache is ours, not transformers'). Returns [B, T, heads, head_dim].
+    """
+    batch = _current_batch.get()
+    if batch is None:
+        raise RuntimeError(
+            f"attention implementation {ATTN_IMPLEMENTATION!r} called outside the server engine's forward"
+        )
+    layer = module.layer_idx
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    cache = batch.cache
+    cache.write(layer, batch, key, value)
+    if batch.mode == "prefill":
+        num_batch, _, num_tokens, head_dim = key.shape
+        if group > 1:
+            key = key[:, :, None].expand(num_batch, num_kv_heads, group, num_tokens, head_dim)
+            key = key.reshape(num_batch, num_heads, num_tokens, head_dim)
+            value = value[:, :, None].expand(num_batch, num_kv_heads, group, num_tokens, head_dim)
+            value = value.reshape(num_batch, num_heads, num_tokens, head_dim)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.attn_mask, scale=scaling)
+        return out.transpose(1, 2), None
+    # Decode: one query per row. The query heads that share a key head become that head's "query positions",
+    # so attention runs on the kv heads without materialising repeated keys.
+    num_rows, _, _, head_dim = query.shape
+    keys, values = cache.rows(layer, num_rows, batch.kv_length)
+    grouped_query = query.reshape(num_rows, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped_query, keys, values, attn_mask=batch.attn_mask, scale=scaling
+    )
+    return out.reshape(num_rows, num_heads, 1, head_dim).transpose(1, 2), None
+
+
+def register_attention() -> None:
+    """Register `row_cache_attention` with transformers under ATTN_IMPLEMENTATION (idempotent).
+
+    No mask function is registered on purpose: transformers then skips building masks for this
+    implementation, and the engine passes its own in the ForwardBatch.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, row_cache_attention)
+
+
+def check_model_supported(model: PreTrainedModel) -> None:
+    """Raise UnsupportedModelError unless every layer is full attention with a `layer_idx`."""
+    config = model.config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(kind != "full_attention" for kind in layer_types):
+        kinds = sorted(set(layer_types))
+        raise UnsupportedModelError(
+            f"{type(model).__name__} mixes attention kinds {kinds}; the built-in server supports models with "
+            "full attention in every layer (serve this one with vLLM)"
+        )
+    if getattr(config, "use_sliding_window", False) or (
+        getattr(config, "sliding_window", None) and not hasattr(config, "use_sliding_window")
+    ):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} uses sliding-window attention, which the built-in server lacks"
+        )
+    attention_modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if len(attention_modules) != config.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: found {len(attention_modules)} attention modules with a layer_idx for "
+            f"{config.num_hidden_layers} layers; the built-in server needs one per layer"
+        )
+
+
+def attention_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a supported model."""
+    config = model.config.get_text_config()
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim

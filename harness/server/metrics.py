@@ -1,0 +1,107 @@
+"""The built-in server's /metrics: engine statistics as Prometheus text, under vLLM's metric names.
+
+Who talks to it: the /metrics route renders `EngineStats` with `render_metrics`; clients (the rollout
+worker's load poller, `harness/server_metrics.py`) parse it exactly as they parse a vLLM server's.
+
+The KV-usage figure is `rows x longest running sequence / kv_cache_tokens`: the share of the KV budget the
+engine's dense rows occupy, which is what makes it preempt when it reaches 1. `vllm:cache_config_info`
+reports the budget as `num_gpu_blocks` blocks of `block_size` 16 tokens (a block is only an accounting
+unit here), so KV tokens / max_model_len gives the number of full-length requests that fit, as for vLLM.
+"""
+
+from __future__ import annotations
+
+from harness.server.engine import EngineStats
+
+BLOCK_SIZE_TOKENS = 16
+
+
+def _labels(labels: dict[str, str]) -> str:
+    def escape(value: str) -> str:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{key}="{escape(value)}"' for key, value in labels.items()) + "}"
+
+
+def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -> str:
+    """Prometheus text exposition (version 0.0.4) of the engine's state."""
+    base = {"engine": "0", "model_name": model_name}
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{name}{_labels(labels)} {float(value)!r}")
+
+    metric(
+        "vllm:num_requests_running",
+        "gauge",
+        "Number of requests in model execution batches.",
+        [(base, stats.num_running)],
+    )
+    metric(
+        "vllm:num_requests_waiting",
+        "gauge",
+        "Number of requests waiting to be processed.",
+        [(base, stats.num_waiting)],
+    )
+    metric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage. 1 means 100 percent usage.",
+        [(base, stats.kv_cache_usage)],
+    )
+    metric(
+        "vllm:num_preemptions_total",
+        "counter",
+        "Cumulative number of preemption from the engine.",
+        [(base, stats.num_preemptions)],
+    )
+    metric(
+        "vllm:prompt_tokens_total",
+        "counter",
+        "Number of prefill tokens processed.",
+        [(base, stats.num_prompt_tokens)],
+    )
+    metric(
+        "vllm:generation_tokens_total",
+        "counter",
+        "Number of generation tokens processed.",
+        [(base, stats.num_generation_tokens)],
+    )
+    metric(
+        "vllm:request_success_total",
+        "counter",
+        "Count of successfully processed requests.",
+        [
+            ({**base, "finished_reason": reason}, count)
+            for reason, count in sorted(stats.num_finished.items())
+        ],
+    )
+    cache_labels = {
+        "block_size": str(BLOCK_SIZE_TOKENS),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "False",
+        "engine": "0",
+        "kv_cache_max_concurrency": repr(stats.kv_cache_tokens / max_model_len),
+        "kv_cache_size_tokens": str(stats.kv_cache_tokens),
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(stats.kv_cache_tokens // BLOCK_SIZE_TOKENS),
+    }
+    metric(
+        "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig", [(cache_labels, 1.0)]
+    )
+    metric(
+        "harness:kv_cache_allocated_bytes",
+        "gauge",
+        "Bytes the built-in server's KV cache holds now.",
+        [(base, stats.kv_cache_allocated_bytes)],
+    )
+    metric(
+        "harness:weight_version",
+        "gauge",
+        "Number of weight updates applied since start.",
+        [(base, stats.weight_version)],
+    )
+    return "\n".join(lines) + "\n"

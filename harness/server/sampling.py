@@ -1,0 +1,187 @@
+"""Sampling for the built-in server: per-request parameters, processed log-probs, seeded draws.
+
+Who talks to it: the engine calls `sample_next_tokens` once per forward pass with the last-position logits of
+every row and each row's `SamplingParams` and `RequestRandom`.
+
+Log-prob semantics follow vLLM's `--logprobs-mode processed_logprobs`: the reported log-probs are those of
+the distribution actually sampled from, after (in this order) the repetition penalty, temperature, min-p and
+top-k / top-p masking, renormalised over the surviving candidates; masked tokens get -inf. A greedy request
+(temperature below 1e-5) is processed at temperature 1 and takes the arg-max. Temperatures below 0.01 are
+raised to 0.01, as vLLM does.
+
+Seeds: each request owns a `RequestRandom` (a Python RNG seeded with the request's seed, or from the OS when
+it has none) that draws one uniform number per generated token; the token is found by inverse-CDF on the
+processed distribution. The draw therefore depends on the request's seed and its own logits only, never on
+which other requests share the batch: the same seed gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = 0.01
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings, with vLLM's names and meanings.
+
+    Attributes:
+        max_tokens: Most tokens to generate.
+        temperature: Softmax temperature; below 1e-5 means greedy.
+        top_p: Nucleus mass in (0, 1]; 1 disables it.
+        top_k: Keep the k most likely tokens; 0 or -1 disables it.
+        min_p: Drop tokens whose probability is below min_p times the largest; 0 disables it.
+        repetition_penalty: Divide positive (multiply negative) logits of tokens already in the prompt or the
+            output by this; 1 disables it.
+        seed: Seed of this request's random draws; None draws one from the OS.
+        num_logprobs: None: no log-probs; 0: the sampled token's; K: also the K most likely per position.
+        stop_token_ids: Tokens that end the request (kept in the output), besides the model's EOS.
+        ignore_eos: Keep generating past EOS (benchmarks).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    num_logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.num_logprobs is not None and self.num_logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.num_logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+class RequestRandom:
+    """A request's own stream of uniform draws in [0, 1), reproducible from its seed."""
+
+    def __init__(self, seed: int | None) -> None:
+        self._rng = random.Random(seed if seed is not None else random.SystemRandom().getrandbits(64))
+
+    def uniform(self) -> float:
+        return self._rng.random()
+
+
+@dataclass
+class SampledTokens:
+    """The outcome of one sampling step, as Python lists (one device-to-host copy per step).
+
+    Attributes:
+        token_ids_B: The sampled token of each row.
+        logprobs_B: Its processed log-prob.
+        top_B: Per row, the (token id, log-prob) pairs of its num_logprobs most likely tokens, most likely
+            first ([] when the row asked for none).
+    """
+
+    token_ids_B: list[int]
+    logprobs_B: list[float]
+    top_B: list[list[tuple[int, float]]]
+
+
+def process_logits(
+    logits_BV: torch.Tensor, params_B: list[SamplingParams], seen_tokens_B: list[list[int]]
+) -> torch.Tensor:
+    """The processed log-probs [B, V] (float32) of each row's sampling distribution; see the module doc."""
+    logits_BV = logits_BV.float().clone()
+    vocab_size = logits_BV.shape[-1]
+    device = logits_BV.device
+    for row, params in enumerate(params_B):
+        if params.repetition_penalty != 1.0 and seen_tokens_B[row]:
+            seen = torch.tensor(sorted(set(seen_tokens_B[row])), dtype=torch.long, device=device)
+            values = logits_BV[row, seen]
+            penalty = params.repetition_penalty
+            logits_BV[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    temperatures = [1.0 if p.greedy else max(p.temperature, MIN_TEMPERATURE) for p in params_B]
+    if any(t != 1.0 for t in temperatures):
+        logits_BV /= torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]
+    min_p_rows = [row for row, p in enumerate(params_B) if p.min_p > 0]
+    if min_p_rows:
+        index = torch.tensor(min_p_rows, device=device)
+        probs = torch.softmax(logits_BV[index], dim=-1)
+        threshold = torch.tensor([params_B[r].min_p for r in min_p_rows], device=device)[:, None]
+        drop = probs < threshold * probs.max(dim=-1, keepdim=True).values
+        logits_BV[index] = logits_BV[index].masked_fill(drop, float("-inf"))
+    truncated_rows = [row for row, p in enumerate(params_B) if p.top_k > 0 or p.top_p < 1.0]
+    if truncated_rows:
+        index = torch.tensor(truncated_rows, device=device)
+        logits_BV[index] = _top_k_top_p(
+            logits_BV[index],
+            top_k=[params_B[r].top_k if params_B[r].top_k > 0 else vocab_size for r in truncated_rows],
+            top_p=[params_B[r].top_p for r in truncated_rows],
+        )
+    return torch.log_softmax(logits_BV, dim=-1)
+
+
+def _top_k_top_p(logits_RV: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask to -inf what falls outside each row's top-k, then outside its top-p nucleus of what is left."""
+    device = logits_RV.device
+    sorted_logits, order = logits_RV.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits_RV.shape[-1], device=device)[None, :]
+    k = torch.tensor(top_k, device=device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # A token stays while the mass of the tokens ranked above it is below p: the smallest prefix reaching p
+    # survives, and the most likely token always does.
+    mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    p = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(mass_above >= p, float("-inf"))
+    return torch.empty_like(logits_RV).scatter_(-1, order, sorted_logits)
+
+
+def sample_next_tokens(
+    logits_BV: torch.Tensor,
+    params_B: list[SamplingParams],
+    randoms_B: list[RequestRandom],
+    seen_tokens_B: list[list[int]],
+) -> SampledTokens:
+    """Process each row's logits, draw its next token and collect the log-probs it asked for."""
+    logprobs_BV = process_logits(logits_BV, params_B, seen_tokens_B)
+    device = logprobs_BV.device
+    greedy = torch.tensor([p.greedy for p in params_B], device=device)
+    uniforms = torch.tensor(
+        [0.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)], device=device
+    )
+    probs_BV = logprobs_BV.exp()
+    cdf_BV = torch.cumsum(probs_BV, dim=-1)
+    # Scale the draw by the row's total mass, so rounding in the cumulative sum cannot push it past the end.
+    targets = uniforms * cdf_BV[:, -1]
+    drawn = torch.searchsorted(cdf_BV, targets[:, None], right=True).clamp_(max=probs_BV.shape[-1] - 1)
+    drawn = drawn.squeeze(-1)
+    argmax = logprobs_BV.argmax(dim=-1)
+    # A draw landing on a zero-probability token can only come from float rounding at the very end of the cdf.
+    drawn_ok = probs_BV.gather(-1, drawn[:, None]).squeeze(-1) > 0
+    tokens = torch.where(greedy | ~drawn_ok, argmax, drawn)
+    token_logprobs = logprobs_BV.gather(-1, tokens[:, None]).squeeze(-1)
+    num_top = max((p.num_logprobs or 0) for p in params_B)
+    top_B: list[list[tuple[int, float]]] = [[] for _ in params_B]
+    if num_top > 0:
+        top_values, top_ids = logprobs_BV.topk(min(num_top, logprobs_BV.shape[-1]), dim=-1)
+        values_list, ids_list = top_values.tolist(), top_ids.tolist()
+        for row, params in enumerate(params_B):
+            count = params.num_logprobs or 0
+            top_B[row] = list(zip(ids_list[row][:count], values_list[row][:count], strict=True))
+    return SampledTokens(token_ids_B=tokens.tolist(), logprobs_B=token_logprobs.tolist(), top_B=top_B)

@@ -1,0 +1,221 @@
+"""What a built-in server serves: its settings (`ServerConfig`) and the loaded model, engine and adapters.
+
+Who talks to it: `harness serve` (`harness/server/cli.py`) builds a ServerConfig from its flags and calls
+`ServerState.load`; tests and benchmarks build one around an in-memory model with `ServerState.from_model`;
+the routes (`harness/server/app.py`) read the state. `close()` stops the engine (which aborts pending
+requests), drops the adapters and leaves any weight-transfer group; it is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from harness.server.engine import Engine
+    from harness.server.lora import LoraManager
+    from harness.weight_transfer import BroadcastGroup
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one built-in server, flag for flag with `harness serve` (names as vLLM's where shared)."""
+
+    model: str
+    """Path of a Hugging Face model folder (config, weights, and a tokenizer if text prompts are wanted)."""
+    served_model_name: str | None = None
+    """Name clients pass as `model`; default: `model` as given."""
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = 8000
+    """Port to listen on; 0 picks a free one (see port_file)."""
+    port_file: str | None = None
+    """Write the bound port to this file once listening (how a launcher learns a port picked with 0)."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+    dtype: str = "auto"
+    """Weights and KV dtype: auto (the checkpoint's on GPU, float32 on CPU), float32, bfloat16, float16."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens; default: the model's max_position_embeddings."""
+    max_num_seqs: int = 256
+    """Most requests decoded together."""
+    max_num_batched_tokens: int = 8192
+    """Most prompt tokens prefilled in one step."""
+    kv_cache_tokens: int | None = None
+    """KV-cache budget in tokens; default: half the free device memory (CPU: of available RAM, <= 8 GiB)."""
+    max_logprobs: int = 20
+    """Largest `logprobs` (top-k per token) a request may ask for."""
+    enable_lora: bool = False
+    """Accept /v1/load_lora_adapter (as vLLM's --enable-lora with runtime updating)."""
+    max_loras: int = 8
+    """Most adapters loaded at once."""
+    max_lora_rank: int = 64
+    """Largest adapter rank accepted."""
+    exit_with_parent: bool = False
+    """Stop when the process that started this server dies (set by the trainer's launcher)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
+
+
+def resolve_device(device: str) -> torch.device:
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+@dataclass
+class ServerState:
+    """A loaded model behind a running engine, with what the routes need to answer for it."""
+
+    config: ServerConfig
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    engine: Engine
+    lora: LoraManager
+    model_name: str
+    max_model_len: int
+    transfer_group: BroadcastGroup | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, config: ServerConfig) -> ServerState:
+        """Load `config.model` from disk onto its device and start the engine."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        device = resolve_device(config.device)
+        if config.dtype == "auto":
+            dtype: Any = "auto" if device.type == "cuda" else torch.float32
+        else:
+            dtype = getattr(torch, config.dtype)
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
+        model = model.to(device).eval()
+        return cls.from_model(model, config, tokenizer=_load_tokenizer(config.model))
+
+    @classmethod
+    def from_model(
+        cls, model: PreTrainedModel, config: ServerConfig, *, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> ServerState:
+        """Serve an already loaded model (on its device, in eval mode), e.g. a tiny test model."""
+        from harness.server.engine import Engine
+        from harness.server.lora import LoraManager
+
+        text_config = model.config.get_text_config()
+        max_model_len = config.max_model_len or int(text_config.max_position_embeddings)
+        kv_cache_tokens = config.kv_cache_tokens or default_kv_cache_tokens(
+            model, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
+        )
+        engine = Engine(
+            model,
+            max_model_len=max_model_len,
+            eos_token_ids=_eos_token_ids(model),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_cache_tokens=kv_cache_tokens,
+        )
+        engine.start()
+        logger.info(
+            "engine ready: %s on %s (%s), max_model_len %d, KV budget %d tokens, max_num_seqs %d",
+            type(model).__name__,
+            model.device,
+            model.dtype,
+            max_model_len,
+            kv_cache_tokens,
+            config.max_num_seqs,
+        )
+        return cls(
+            config=config,
+            model=model,
+            tokenizer=tokenizer,
+            engine=engine,
+            lora=LoraManager(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank),
+            model_name=config.served_model_name or config.model,
+            max_model_len=max_model_len,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def close(self) -> None:
+        self.engine.close()
+        self.lora.close()
+        group, self.transfer_group = self.transfer_group, None
+        if group is not None:
+            group.close()
+
+
+def _eos_token_ids(model: PreTrainedModel) -> list[int]:
+    """EOS ids from the generation config, else the model config (either may hold one id or a list)."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def _load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
+    """The folder's tokenizer, or None (then prompts must be token ids and responses carry no text)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("no tokenizer in %s (%s): only token-id prompts, responses without text", path, exc)
+        return None
+
+
+def default_kv_cache_tokens(
+    model: PreTrainedModel, *, max_model_len: int, max_num_seqs: int, memory_fraction: float = 0.5
+) -> int:
+    """A KV budget from the free memory of the model's device, within [max_model_len, seqs x len].
+
+    On CUDA: `memory_fraction` of the device memory free after loading; on CPU: that fraction of the
+    available RAM (from /proc/meminfo when readable), at most 8 GiB so a laptop stays usable.
+    """
+    import torch
+
+    from harness.server.kv_cache import attention_shape
+
+    num_layers, num_kv_heads, head_dim = attention_shape(model)
+    bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * model.dtype.itemsize
+    if model.device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(model.device)
+    else:
+        free_bytes = min(_available_ram_bytes(), 16 * 2**30)
+    budget = int(free_bytes * memory_fraction) // bytes_per_token
+    return max(max_model_len, min(budget, max_num_seqs * max_model_len))
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 2**30

@@ -1,0 +1,71 @@
+"""The trainer's way to get a generation server: start `harness serve` as a subprocess, use it, stop it."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from harness.client import GenerationClient, SamplingConfig
+from harness.server.launch import ServerStartError, open_generation_server, start_builtin_server
+from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    build_tiny_qwen3().save_pretrained(path)
+    build_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_builtin_server_subprocess_serves_and_stops(tiny_model_dir, tmp_path, caplog):
+    log_path = tmp_path / "server.log"
+    caplog.set_level(logging.INFO, logger="harness.server.launch")
+
+    async def generate(url: str) -> list[int]:
+        async with GenerationClient(url, timeout_s=60) as client:
+            info = await client.model_info()
+            assert info.max_model_len == 512
+            completion = await client.generate([5, 6, 7], SamplingConfig(max_tokens=4, num_logprobs=1))
+            return completion.output_ids
+
+    with open_generation_server(
+        None, model=tiny_model_dir, max_model_len=512, device="cpu", log_path=log_path, timeout_s=120
+    ) as url:
+        assert anyio.run(generate, url)
+        (line,) = [r.getMessage() for r in caplog.records if "generation server" in r.getMessage()]
+        assert line.startswith("generation server: built-in") and url in line
+        pid = int(line.split("pid ")[1].split(")")[0])
+    with pytest.raises(ProcessLookupError):
+        import os
+
+        os.kill(pid, 0)  # gone: stopped with the context
+    assert "harness serve" in log_path.read_text()
+
+
+def test_an_external_url_is_used_as_is(caplog):
+    caplog.set_level(logging.INFO, logger="harness.server.launch")
+    with open_generation_server("http://gpu-box:8000", model="unused") as url:
+        assert url == "http://gpu-box:8000"
+    assert "external vLLM-protocol server at http://gpu-box:8000" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_start_reports_its_log(tmp_path):
+    with pytest.raises(ServerStartError, match="exited with status") as raised:
+        start_builtin_server(tmp_path / "no-model-here", log_path=tmp_path / "server.log", timeout_s=120)
+    assert "no-model-here" in str(raised.value)
+
+
+def test_serve_help_is_fast_and_lists_the_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in ("--port", "--max-model-len", "--dtype", "--device", "--enable-lora", "--kv-cache-tokens"):
+        assert flag in out
