@@ -1,0 +1,489 @@
+"""Tree attention: run a stock transformers decoder over a packed prefix-trie row.
+
+A packed row (`harness.packing.PackedRow`) lays a trie out depth-first, so every token's subtree is a
+contiguous index range and the ancestor relation needs one gather: query q may attend to key k iff
+
+    k <= q < subtree_end[k]                                 (k is on q's root-to-token path)
+    and depth[q] - depth[k] < sliding_window                (sliding-window layers only)
+
+Two backends compute that attention, chosen per row by the device (`backend="auto"`):
+
+* `"flex"` (GPU default): PyTorch `flex_attention`, compiled, with a `BlockMask` built once per row and
+  window from the mask above; fully masked 128x128 blocks are skipped, so a completion never pays for its
+  siblings.
+* `"sdpa"` (CPU, tests): `scaled_dot_product_attention` with the dense [T, T] boolean mask.
+
+The function is registered in transformers' `AttentionInterface` under `ATTENTION_NAME`, and the row's
+structure travels as the `tree_mask` keyword argument, which stock decoders (Llama, Qwen2, Qwen3, Qwen3.5,
+in transformers 5.17 and 5.24) forward untouched from `model(...)` to every attention call. The name has no
+mask function registered, so transformers builds no mask of its own (and does not try to infer packed
+sequences from position ids). Sliding-window layers pass their window (`sliding_window=`) to the attention
+function, which applies it in depth, not in row index.
+
+Gated DeltaNet hybrids (Qwen3.5 / Qwen3.6 layout: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`) are
+supported: `prepare_model_for_tree_attention` wraps each such layer so that, given a `tree_mask`, its causal
+convolution reads every token's own predecessors on its path (possibly in ancestor segments), and its chunked
+delta rule runs segment by segment, each starting from its parent segment's final state; segments of one trie
+level run together as a batch. Other recurrent layouts (Qwen3-Next's fused projections, Mamba), attention
+sinks and logit soft-capping are rejected at preparation with `TreeAttentionError`.
+
+Usage (the trainer's micro-step; the head and loss live in harness.logprobs and harness.loss):
+
+    prepare_model_for_tree_attention(model)                      # once, before wrapping with FSDP
+    row = pack_row([samples[i] for i in plan_row.sample_indices]).to(device)
+    hidden_T_H = packed_forward(model, row)                      # [T, hidden], no LM head
+    out = fused_policy_loss(hidden_T_H, row, lm_head_weight, loss_config, ...)
+    out.loss.backward()
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.packing import PackedRow
+
+__all__ = [
+    "ATTENTION_NAME",
+    "TreeAttentionError",
+    "TreeMask",
+    "gated_delta_rule_chunked",
+    "packed_forward",
+    "prepare_model_for_tree_attention",
+    "tree_attention_forward",
+]
+
+ATTENTION_NAME = "harness_tree"
+
+Backend = Literal["auto", "flex", "sdpa"]
+
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
+_DELTANET_ATTRIBUTES = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "conv1d",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "head_k_dim",
+    "head_v_dim",
+    "num_k_heads",
+    "num_v_heads",
+    "conv_kernel_size",
+    "activation",
+)
+
+
+class TreeAttentionError(ValueError):
+    """The model or the call cannot run with tree attention; the message names what to change."""
+
+
+@dataclass
+class TreeMask:
+    """The structure of one packed row on the forward's device, with per-row caches.
+
+    Built by `TreeMask.from_row`; attention layers read `block_mask` / `dense_mask`, gated DeltaNet layers
+    read `ancestors` and `segment_levels`. Caches live as long as the row's forward and backward (gradient
+    checkpointing recomputes layers with the same object, so masks are built once per row).
+    """
+
+    position_ids: torch.Tensor  # [T] depth
+    parent: torch.Tensor  # [T]
+    subtree_end: torch.Tensor  # [T]
+    segment_start: list[int]
+    segment_length: list[int]
+    segment_parent: list[int]
+    backend: Literal["flex", "sdpa"]
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_row(cls, row: PackedRow, backend: Backend = "auto") -> TreeMask:
+        device = row.input_ids.device
+        if backend == "auto":
+            backend = "flex" if device.type == "cuda" else "sdpa"
+        return cls(
+            position_ids=row.position_ids,
+            parent=row.parent,
+            subtree_end=row.subtree_end,
+            segment_start=row.segment_start.tolist(),
+            segment_length=row.segment_length.tolist(),
+            segment_parent=row.segment_parent.tolist(),
+            backend=backend,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    def dense_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """[T, T] boolean: True where query (row) may attend to key (column)."""
+        key = ("dense", sliding_window)
+        if key not in self._cache:
+            index = torch.arange(self.num_tokens, device=self.position_ids.device)
+            q, k = index[:, None], index[None, :]
+            allowed = (k <= q) & (q < self.subtree_end[None, :])
+            if sliding_window is not None:
+                allowed &= self.position_ids[:, None] - self.position_ids[None, :] < sliding_window
+            self._cache[key] = allowed
+        return self._cache[key]
+
+    def block_mask(self, sliding_window: int | None = None) -> Any:
+        """flex_attention BlockMask of the same relation (built on the tensors' device)."""
+        key = ("block", sliding_window)
+        if key not in self._cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            subtree_end, depth = self.subtree_end, self.position_ids
+
+            def on_path(batch: Any, head: Any, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                return (kv <= q) & (q < subtree_end[kv])
+
+            def on_path_in_window(batch: Any, head: Any, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                return (kv <= q) & (q < subtree_end[kv]) & (depth[q] - depth[kv] < sliding_window)
+
+            mask_mod = on_path if sliding_window is None else on_path_in_window
+            t = self.num_tokens
+            self._cache[key] = create_block_mask(
+                mask_mod, None, None, t, t, device=self.position_ids.device, _compile=True
+            )
+        return self._cache[key]
+
+    def ancestors(self, count: int) -> torch.Tensor:
+        """[T, count] row index of each token's 1st .. count-th ancestor on its path, -1 past the root."""
+        key = ("ancestors", count)
+        if key not in self._cache:
+            columns, current = [], self.parent
+            for _ in range(count):
+                columns.append(current)
+                # -1 stays -1: index the parent array with a sentinel appended at position T
+                current = torch.cat([self.parent, self.parent.new_full((1,), -1)])[current]
+            self._cache[key] = torch.stack(columns, dim=1) if columns else self.parent[:, None][:, :0]
+        return self._cache[key]
+
+    def segment_levels(self) -> list[list[int]]:
+        """Segments grouped by depth in the segment tree: every parent is in an earlier group."""
+        if "levels" not in self._cache:
+            level: list[int] = []
+            for parent in self.segment_parent:  # parents precede children in depth-first order
+                level.append(0 if parent < 0 else level[parent] + 1)
+            groups: list[list[int]] = [[] for _ in range(max(level, default=-1) + 1)]
+            for segment, depth in enumerate(level):
+                groups[depth].append(segment)
+            self._cache["levels"] = groups
+        return self._cache["levels"]
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Compiled once per process; dynamo marks the length dynamic after the first new shape, so rows of
+    # varying length do not recompile each time.
+    return torch.compile(flex_attention)
+
+
+def tree_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    tree_mask: TreeMask | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function transformers calls (AttentionInterface signature).
+
+    query [1, Hq, T, D], key / value [1, Hkv, T, D] -> output [1, T, Hq, D].
+    """
+    if tree_mask is None:
+        raise TreeAttentionError(
+            f"the model uses attention {ATTENTION_NAME!r} but was called without a tree_mask; run packed "
+            "rows through harness.attention.packed_forward, or switch the model back with "
+            "model.set_attn_implementation('sdpa') for ordinary forwards"
+        )
+    if query.shape[0] != 1:
+        raise TreeAttentionError(
+            f"a packed row is one sequence (batch size 1), got batch size {query.shape[0]}"
+        )
+    if dropout:
+        raise TreeAttentionError(
+            "tree attention has no attention dropout; set the config's attention_dropout=0"
+        )
+    gqa = query.shape[1] != key.shape[1]
+    if tree_mask.backend == "flex":
+        output = _compiled_flex_attention()(
+            query, key, value, block_mask=tree_mask.block_mask(sliding_window), scale=scaling, enable_gqa=gqa
+        )
+    else:
+        mask = tree_mask.dense_mask(sliding_window)[None, None]
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa
+        )
+    return output.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------- gated DeltaNet
+
+
+def gated_delta_rule_chunked(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    log_decay: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over [B, H, L, *] float32 inputs, in chunks; returns (output, final state).
+
+    Per step t (queries already normalised and scaled), with state S of shape [Dk, Dv]:
+
+        S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+
+    Within a chunk, with G_t the cumulative log decay since the chunk's start and S0 its initial state,
+    unrolling gives u_t = beta_t v_t - beta_t e^{G_t} S0^T k_t - sum_{s<t} beta_t e^{G_t - G_s} (k_t.k_s) u_s,
+    i.e. (I + A) U = beta V - (beta e^G K) S0 with A strictly lower triangular, solved by one triangular
+    solve per chunk for both right-hand sides. Then
+
+        o_t = e^{G_t} S0^T q_t + sum_{s<=t} e^{G_t - G_s} (q_t.k_s) u_s
+        S_end = e^{G_C} S0 + sum_s e^{G_C - G_s} k_s u_s^T
+
+    and every exponent is <= 0, so nothing overflows.
+    Positions padded with beta = 0 and g = 0 leave the state unchanged, which batching segments relies on.
+    """
+    batch, heads, length, _ = key.shape
+    pad = (-length) % chunk_size
+    if pad:
+        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+        log_decay, beta = (F.pad(x, (0, pad)) for x in (log_decay, beta))
+    num_chunks = (length + pad) // chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(batch, heads, num_chunks, chunk_size, *x.shape[3:])
+
+    q, k, v, g, b = (chunked(x) for x in (query, key, value, log_decay, beta))
+    cumulative = g.cumsum(-1)  # [B, H, N, C]
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=key.device).tril()
+    strictly_lower = lower.tril(-1)
+    pair_decay = (
+        (cumulative[..., :, None] - cumulative[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    )
+    system = (b[..., :, None] * (k @ k.transpose(-1, -2)) * pair_decay).masked_fill(~strictly_lower, 0.0)
+    system = system + torch.eye(chunk_size, dtype=system.dtype, device=system.device)
+    u_from_values = torch.linalg.solve_triangular(system, b[..., None] * v, upper=False, unitriangular=True)
+    u_per_state = torch.linalg.solve_triangular(
+        system, (b * cumulative.exp())[..., None] * k, upper=False, unitriangular=True
+    )
+    attend = (q @ k.transpose(-1, -2)) * pair_decay
+    q_from_state = q * cumulative.exp()[..., None]
+    last = cumulative[..., -1:]
+    k_to_end = k * (last - cumulative).exp()[..., None]
+    chunk_decay = last.exp()[..., None]  # [B, H, N, 1, 1]
+
+    state = initial_state
+    outputs = []
+    for c in range(num_chunks):
+        u = u_from_values[:, :, c] - u_per_state[:, :, c] @ state
+        outputs.append(q_from_state[:, :, c] @ state + attend[:, :, c] @ u)
+        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ u
+    output = torch.cat(outputs, dim=2)[:, :, :length]
+    return output, state
+
+
+def _l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _tree_gated_deltanet(module: nn.Module, hidden_states: torch.Tensor, tree: TreeMask) -> torch.Tensor:
+    """A Qwen3.5 gated DeltaNet layer over a packed row: convolution along paths, state along segments."""
+    from transformers.activations import ACT2FN
+
+    if hidden_states.shape[0] != 1:
+        raise TreeAttentionError(f"a packed row is one sequence (batch size 1), got {hidden_states.shape[0]}")
+    x = hidden_states[0]
+    num_tokens = x.shape[0]
+    mixed = module.in_proj_qkv(x)  # [T, C]
+    gate = module.in_proj_z(x).reshape(num_tokens, -1, module.head_v_dim)
+    beta = module.in_proj_b(x).sigmoid()
+    log_decay = -module.A_log.float().exp() * F.softplus(module.in_proj_a(x).float() + module.dt_bias)
+
+    # Depthwise causal convolution over each token's own path: tap d reads the d-th ancestor.
+    kernel = module.conv_kernel_size
+    weight = module.conv1d.weight.squeeze(1)  # [C, K]; tap K-1 is the token itself
+    mixed = mixed.to(weight.dtype)
+    ancestors = tree.ancestors(kernel - 1)
+    with_zero = torch.cat([mixed, mixed.new_zeros(1, mixed.shape[1])])
+    convolved = mixed * weight[:, kernel - 1]
+    for distance in range(1, kernel):
+        index = ancestors[:, distance - 1]
+        convolved = (
+            convolved + with_zero[index.where(index >= 0, num_tokens)] * weight[:, kernel - 1 - distance]
+        )
+    if module.conv1d.bias is not None:
+        convolved = convolved + module.conv1d.bias
+    mixed = ACT2FN[module.activation](convolved)
+
+    key_dim = module.head_k_dim * module.num_k_heads
+    query, key, value = torch.split(mixed, [key_dim, key_dim, mixed.shape[1] - 2 * key_dim], dim=-1)
+    query = query.reshape(num_tokens, -1, module.head_k_dim)
+    key = key.reshape(num_tokens, -1, module.head_k_dim)
+    value = value.reshape(num_tokens, -1, module.head_v_dim)
+    repeat = module.num_v_heads // module.num_k_heads
+    if repeat > 1:
+        query = query.repeat_interleave(repeat, dim=1)
+        key = key.repeat_interleave(repeat, dim=1)
+    query = _l2_normalise(query.float()) * module.head_k_dim**-0.5
+    key = _l2_normalise(key.float())
+    value, beta = value.float(), beta.float()
+
+    core = _tree_delta_rule(query, key, value, log_decay, beta, tree)  # [T, Hv, Dv] float32
+    core = module.norm(
+        core.to(hidden_states.dtype).reshape(-1, module.head_v_dim), gate.reshape(-1, module.head_v_dim)
+    )
+    return module.out_proj(core.reshape(1, num_tokens, -1))
+
+
+def _tree_delta_rule(
+    query: torch.Tensor,  # [T, H, Dk]
+    key: torch.Tensor,
+    value: torch.Tensor,  # [T, H, Dv]
+    log_decay: torch.Tensor,  # [T, H]
+    beta: torch.Tensor,  # [T, H]
+    tree: TreeMask,
+) -> torch.Tensor:
+    num_tokens, heads, key_dim = key.shape
+    value_dim = value.shape[-1]
+    device = key.device
+    # A zero row at index T serves every padded position of a batched level.
+    padded = [torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (query, key, value, log_decay, beta)]
+    output = value.new_zeros(num_tokens + 1, heads, value_dim)
+    zero_state = value.new_zeros(heads, key_dim, value_dim)
+    final_states: dict[int, torch.Tensor] = {}
+    for level in tree.segment_levels():
+        longest = max(tree.segment_length[s] for s in level)
+        offsets = torch.arange(longest, device=device)
+        starts = torch.tensor([tree.segment_start[s] for s in level], device=device)
+        lengths = torch.tensor([tree.segment_length[s] for s in level], device=device)
+        index = torch.where(offsets < lengths[:, None], starts[:, None] + offsets, num_tokens)  # [B, L]
+        q, k, v, g, b = (x[index].transpose(1, 2) for x in padded)  # [B, H, L, *]
+        initial = torch.stack(
+            [final_states[p] if (p := tree.segment_parent[s]) >= 0 else zero_state for s in level]
+        )
+        level_output, level_states = gated_delta_rule_chunked(q, k, v, g, b, initial)
+        output = output.index_put(
+            (index.reshape(-1),), level_output.transpose(1, 2).reshape(-1, heads, value_dim)
+        )
+        for i, segment in enumerate(level):
+            final_states[segment] = level_states[i]
+    return output[:num_tokens]
+
+
+def _wrap_deltanet(module: nn.Module) -> None:
+    if getattr(module, "_harness_tree_ready", False):
+        return
+    stock_forward = module.forward
+
+    def forward(hidden_states: torch.Tensor, *args: Any, tree_mask: TreeMask | None = None, **kwargs: Any):
+        if tree_mask is None:
+            return stock_forward(hidden_states, *args, **kwargs)
+        if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
+            raise TreeAttentionError("packed rows run without a cache; call with use_cache=False")
+        return _tree_gated_deltanet(module, hidden_states, tree_mask)
+
+    module.forward = forward
+    module._harness_tree_ready = True
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+def _text_config(config: Any) -> Any:
+    return getattr(config, "text_config", None) or config
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, tree_attention_forward)
+
+
+def _is_recurrent_layer(name: str, module: nn.Module) -> bool:
+    """A token mixer with state along the sequence (it must see the tree to be packed exactly)."""
+    kind = type(module).__name__
+    return name.rsplit(".", 1)[-1] == "linear_attn" or any(
+        marker in kind for marker in ("DeltaNet", "Mamba", "LinearAttention", "RecurrentBlock")
+    )
+
+
+def prepare_model_for_tree_attention(model: nn.Module) -> nn.Module:
+    """Switch a transformers causal LM to tree attention, or raise TreeAttentionError if it cannot run.
+
+    Checks the model once, at the start: attention sinks, logit soft-capping, layer types other than full,
+    sliding-window and gated-DeltaNet layers, and DeltaNet layers of another layout are rejected with the
+    reason. Wraps supported DeltaNet layers (see the module docstring). Returns the model.
+    """
+    config = _text_config(model.config)
+    problems = []
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None):
+            problems.append(f"{name}={getattr(config, name)} (tree attention has no soft-capping)")
+    if getattr(config, "attention_dropout", 0.0):
+        problems.append("attention_dropout > 0 (set it to 0 for RL fine-tuning)")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if unknown := layer_types - _SUPPORTED_LAYER_TYPES:
+        problems.append(f"layer types {sorted(unknown)} (supported: {sorted(_SUPPORTED_LAYER_TYPES)})")
+    deltanets = []
+    for module_name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            problems.append(f"{module_name} has attention sinks")
+        if _is_recurrent_layer(module_name, module):
+            missing = [a for a in _DELTANET_ATTRIBUTES if not hasattr(module, a)]
+            if missing:
+                problems.append(
+                    f"{module_name} ({type(module).__name__}) is a recurrent layer of a layout tree packing "
+                    f"does not know (it lacks {missing}); supported: Qwen3.5-style gated DeltaNet"
+                )
+            else:
+                deltanets.append(module)
+    if "linear_attention" in layer_types and not deltanets and not problems:
+        problems.append(
+            "the config declares linear_attention layers but no supported gated DeltaNet was found"
+        )
+    if problems:
+        raise TreeAttentionError(
+            f"{type(model).__name__} cannot be trained with tree packing: " + "; ".join(problems)
+        )
+    _register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    for module in deltanets:
+        _wrap_deltanet(module)
+    return model
+
+
+def packed_forward(model: nn.Module, row: PackedRow, *, backend: Backend = "auto") -> torch.Tensor:
+    """Run the model's decoder (no LM head) over one packed row; returns hidden states [T, hidden].
+
+    The row must be on the model's device (`row.to(device)`); the LM head is left to `harness.logprobs`,
+    which only evaluates it at the trained tokens' predecessors.
+    """
+    if _text_config(model.config)._attn_implementation != ATTENTION_NAME:
+        raise TreeAttentionError("call prepare_model_for_tree_attention(model) before packed_forward")
+    tree = TreeMask.from_row(row, backend)
+    outputs = model.get_decoder()(
+        input_ids=row.input_ids[None],
+        position_ids=row.position_ids[None],
+        tree_mask=tree,
+        use_cache=False,
+    )
+    return outputs.last_hidden_state[0]

@@ -1,0 +1,176 @@
+"""The training core on a CUDA device: flex_attention tree masks and the bf16 log-prob head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from harness.attention import TreeMask, packed_forward, prepare_model_for_tree_attention
+from harness.logprobs import _mixed_precision_matmul_works, row_logprobs, token_logprobs
+from harness.packing import pack_row
+from harness.testing import build_tiny_llama, build_tiny_qwen3, build_tiny_qwen3_5
+from harness.types import TrainingSample, TrainingSequence
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+
+
+def sample(prompt: list[int], completion: list[int], group: int = 0) -> TrainingSample:
+    ids = prompt + completion
+    n = len(ids)
+    mask = [0] * len(prompt) + [1] * len(completion)
+    return TrainingSample(TrainingSequence(ids, mask, [0.0] * n, [None] * n, [None] * n), 1.0, group)
+
+
+# A shared system prompt, three rollouts of one group (one forked after its first turn), a duplicate, a second
+# group, and a prompt shorter than the DeltaNet convolution (as in test_tree_attention.py).
+SYSTEM = [5, 6, 7, 8]
+ROWS = [
+    sample([*SYSTEM, 100, 101, 102], [20, 21, 22, 23]),
+    sample([*SYSTEM, 100, 101, 102], [30, 31]),
+    sample([*SYSTEM, 100, 101, 102, 30, 31, 40, 41], [50, 51, 52, 53, 54]),
+    sample([*SYSTEM, 100, 101, 102, 30, 31, 40, 42], [60, 61]),
+    sample([*SYSTEM, 100, 101, 102], [20, 21, 22, 23]),
+    sample([*SYSTEM, 200, 201], [70, 71, 72], group=1),
+    sample([9, 9], [80]),
+]
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    """Keep TF32 out of the float32 comparisons."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def packed_logprobs(model, backend="flex"):
+    row = pack_row(ROWS).to(CUDA)
+    hidden = packed_forward(model, row, backend=backend)
+    return row_logprobs(hidden, row, model.get_output_embeddings().weight).logprobs
+
+
+@pytest.mark.parametrize(
+    ("build", "overrides"),
+    [
+        (build_tiny_qwen3, {}),
+        (build_tiny_qwen3, {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
+        (build_tiny_llama, {}),
+        (build_tiny_qwen3_5, {}),
+    ],
+)
+def test_flex_tree_attention_equals_unpacked_forwards(build, overrides):
+    reference = build(**overrides).to(CUDA)
+    model = prepare_model_for_tree_attention(build(**overrides).to(CUDA))
+    with torch.no_grad():
+        expected = torch.cat([unpacked_logprobs(reference, s) for s in ROWS])
+        got = packed_logprobs(model)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def unpacked_logprobs(model, one):
+    ids = torch.tensor(one.sequence.input_ids, device=CUDA)
+    logprobs = model(ids[None]).logits[0].float().log_softmax(-1)
+    positions = torch.tensor([t for t, m in enumerate(one.sequence.loss_mask) if m], device=CUDA)
+    return logprobs[positions - 1, ids[positions]]
+
+
+def test_flex_and_dense_backends_give_the_same_gradients():
+    model = prepare_model_for_tree_attention(build_tiny_qwen3().to(CUDA))
+    grads = {}
+    for backend in ("flex", "sdpa"):
+        model.zero_grad(set_to_none=True)
+        packed_logprobs(model, backend).sum().backward()
+        grads[backend] = [p.grad.clone() for p in model.parameters()]
+    for flex, dense in zip(grads["flex"], grads["sdpa"], strict=True):
+        torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-3)
+
+
+def test_block_mask_agrees_with_the_dense_mask_on_a_long_row():
+    # 3 groups of 4 completions of 200 tokens after 300-token prompts: blocks straddle segment boundaries
+    samples = []
+    for group in range(3):
+        prompt = [1000 * group + i for i in range(300)]
+        for j in range(4):
+            samples.append(sample(prompt, [50_000 + 1000 * j + i for i in range(200)], group))
+    tree = TreeMask.from_row(pack_row(samples).to(CUDA))
+    dense = tree.dense_mask(sliding_window=128)
+    block = tree.block_mask(sliding_window=128)
+    torch.testing.assert_close(block.to_dense()[0, 0].bool(), _block_summary(dense, 128))
+
+
+def _block_summary(dense: torch.Tensor, block: int) -> torch.Tensor:
+    """Which block x block tiles of a dense mask hold any allowed pair."""
+    t = dense.shape[0]
+    padded = torch.zeros(
+        -(-t // block) * block, -(-t // block) * block, dtype=torch.bool, device=dense.device
+    )
+    padded[:t, :t] = dense
+    n = padded.shape[0] // block
+    return padded.reshape(n, block, n, block).any(dim=3).any(dim=1)
+
+
+def test_bf16_head_accumulates_in_float32():
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    n, h, v = 3000, 256, 32000
+    hidden = torch.randn(n, h, device=CUDA, generator=generator).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device=CUDA, generator=generator) * 0.05).bfloat16().requires_grad_()
+    targets = torch.randint(0, v, (n,), device=CUDA, generator=generator)
+    out = token_logprobs(hidden, weight, targets, chunk_size=512)
+    upstream = torch.randn(n, device=CUDA, generator=generator)
+    (out.logprobs * upstream).sum().backward()
+
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    expected = (h64 @ w64.t()).log_softmax(-1).gather(1, targets[:, None])[:, 0]
+    (expected * upstream.double()).sum().backward()
+    print(f"bf16 x bf16 -> float32 matmul available: {_mixed_precision_matmul_works('cuda', torch.bfloat16)}")
+    assert (out.logprobs.double() - expected).abs().max() < 2e-3
+    for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
+        relative = (got.double() - want).norm() / want.norm()
+        assert relative < 1e-2, relative
+
+
+def test_flex_handles_rows_of_changing_length():
+    # New lengths recompile flex_attention once with a dynamic length; every row must still be exact.
+    model = prepare_model_for_tree_attention(build_tiny_qwen3().to(CUDA))
+    for length in (40, 75, 130, 300):
+        samples = [
+            sample([7] * 3 + list(range(10, 10 + length)), [20, 21, 22]),
+            sample([7] * 3 + list(range(10, 10 + length)), [30, 31]),
+        ]
+        row = pack_row(samples).to(CUDA)
+        weight = model.get_output_embeddings().weight
+        flex = row_logprobs(packed_forward(model, row, backend="flex"), row, weight).logprobs
+        dense = row_logprobs(packed_forward(model, row, backend="sdpa"), row, weight).logprobs
+        torch.testing.assert_close(flex, dense, atol=1e-4, rtol=0, msg=f"prompt of {length}")
+
+
+def test_fused_loss_equals_the_modular_loss_in_bf16():
+    from harness.loss import LossConfig, fused_policy_loss, policy_loss
+
+    generator = torch.Generator(device=CUDA).manual_seed(1)
+    samples = [sample(list(range(100, 400)), list(range(1000 + 50 * j, 1050 + 50 * j))) for j in range(6)]
+    row = pack_row(samples).to(CUDA)
+    hidden = (
+        (torch.randn(row.num_tokens, 256, device=CUDA, generator=generator) * 0.5).bfloat16().requires_grad_()
+    )
+    weight = (torch.randn(32000, 256, device=CUDA, generator=generator) * 0.05).bfloat16().requires_grad_()
+    # old log-probs near the trainer's, so that most ratios are kept and some are clipped
+    with torch.no_grad():
+        current = row_logprobs(hidden, row, weight).logprobs
+    noise = torch.randn(current.shape, device=CUDA, generator=generator) * 0.3
+    row = dataclasses.replace(row, old_logprobs=current + noise)
+    config = LossConfig(score_centering=False)
+    modular = policy_loss(row_logprobs(hidden, row, weight), row, config, num_trained_tokens_global=300)
+    want = torch.autograd.grad(modular.loss, (hidden, weight))
+    fused = fused_policy_loss(hidden, row, weight, config, num_trained_tokens_global=300)
+    got = torch.autograd.grad(fused.loss, (hidden, weight))
+    assert abs(fused.loss.item() - modular.loss.item()) < 1e-5
+    assert 0 < modular.metrics["clip_ratio/region_mean"].item() < 1
+    for g, w in zip(got, want, strict=True):
+        relative = (g.float() - w.float()).norm() / w.float().norm()
+        assert relative < 1e-2, relative

@@ -1,0 +1,202 @@
+"""Tree attention: a packed row's per-token log-probs equal each sample's own forward (CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.attention import (
+    TreeAttentionError,
+    TreeMask,
+    gated_delta_rule_chunked,
+    packed_forward,
+    prepare_model_for_tree_attention,
+)
+from harness.logprobs import row_logprobs
+from harness.packing import pack_row
+from harness.testing import build_tiny_llama, build_tiny_qwen3, build_tiny_qwen3_5
+from harness.types import TrainingSample, TrainingSequence
+
+
+def sample(prompt: list[int], completion: list[int], *, group: int = 0) -> TrainingSample:
+    ids = prompt + completion
+    mask = [0] * len(prompt) + [1] * len(completion)
+    sequence = TrainingSequence(ids, mask, [0.0] * len(ids), [None] * len(ids), [None] * len(ids))
+    return TrainingSample(sequence=sequence, advantage=1.0, group_id=group)
+
+
+# Two groups sharing a system prompt [5 6 7 8]; group 0 has three rollouts, one of which forked after its
+# first turn (the second turn re-rendered 40 41 as 40 42), and a duplicate rollout; group 1 one rollout.
+SYSTEM = [5, 6, 7, 8]
+ROWS = [
+    sample([*SYSTEM, 100, 101, 102], [20, 21, 22, 23]),
+    sample([*SYSTEM, 100, 101, 102], [30, 31]),
+    sample([*SYSTEM, 100, 101, 102, 30, 31, 40, 41], [50, 51, 52, 53, 54]),  # second turn of rollout 1
+    sample([*SYSTEM, 100, 101, 102, 30, 31, 40, 42], [60, 61]),  # its fork: re-rendered history
+    sample([*SYSTEM, 100, 101, 102], [20, 21, 22, 23]),  # a duplicate rollout
+    sample([*SYSTEM, 200, 201], [70, 71, 72], group=1),
+    sample([9, 9], [80]),  # a two-token prompt: shorter than the DeltaNet convolution
+]
+
+
+def unpacked_logprobs(model: torch.nn.Module, samples: list[TrainingSample]) -> torch.Tensor:
+    """Each sample forwarded on its own with the stock attention, log-probs at its trained tokens."""
+    values = []
+    for s in samples:
+        ids = torch.tensor(s.sequence.input_ids)
+        logprobs = model(ids[None]).logits[0].float().log_softmax(-1)
+        positions = torch.tensor([t for t, m in enumerate(s.sequence.loss_mask) if m])
+        values.append(logprobs[positions - 1, ids[positions]])
+    return torch.cat(values)
+
+
+def packed_logprobs(model: torch.nn.Module, samples: list[TrainingSample]) -> torch.Tensor:
+    row = pack_row(samples)
+    hidden = packed_forward(model, row)
+    return row_logprobs(hidden, row, model.get_output_embeddings().weight, chunk_size=5).logprobs
+
+
+def check_exact(build, **overrides) -> None:
+    reference = build(**overrides)
+    packed = prepare_model_for_tree_attention(build(**overrides))
+    with torch.no_grad():
+        expected = unpacked_logprobs(reference, ROWS)
+        got = packed_logprobs(packed, ROWS)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_mask_of_the_spec_example():
+    a, b = sample([11, 12, 13], [21, 22]), sample([11, 12, 13], [31, 32])
+    mask = TreeMask.from_row(pack_row([a, b])).dense_mask()
+    expected = torch.tensor(
+        [
+            # p1 p2 p3 a1 a2 b1 b2   (keys)
+            [1, 0, 0, 0, 0, 0, 0],  # p1
+            [1, 1, 0, 0, 0, 0, 0],  # p2
+            [1, 1, 1, 0, 0, 0, 0],  # p3
+            [1, 1, 1, 1, 0, 0, 0],  # a1
+            [1, 1, 1, 1, 1, 0, 0],  # a2
+            [1, 1, 1, 0, 0, 1, 0],  # b1
+            [1, 1, 1, 0, 0, 1, 1],  # b2
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
+    # a window of 2 in depth: b2 (depth 4) sees b1 (3) and itself, not p3 (2)
+    assert TreeMask.from_row(pack_row([a, b])).dense_mask(sliding_window=2)[6].tolist() == [
+        0,
+        0,
+        0,
+        0,
+        0,
+        1,
+        1,
+    ]
+
+
+def test_the_example_row_shares_tokens():
+    row = pack_row(ROWS)
+    assert row.num_tokens == 31 and sum(row.sample_lengths) == 72
+
+
+def test_qwen3_packed_equals_unpacked():
+    check_exact(build_tiny_qwen3)
+
+
+def test_llama_packed_equals_unpacked():
+    check_exact(build_tiny_llama)
+
+
+def test_qwen3_sliding_window_layers_are_respected():
+    window = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
+    check_exact(build_tiny_qwen3, **window)
+    # the window changes the answer, so the check above could fail
+    with torch.no_grad():
+        windowed = unpacked_logprobs(build_tiny_qwen3(**window), ROWS)
+        full = unpacked_logprobs(build_tiny_qwen3(), ROWS)
+    assert (windowed - full).abs().max() > 1e-3
+
+
+def test_qwen3_5_gated_deltanet_hybrid_packed_equals_unpacked():
+    check_exact(build_tiny_qwen3_5)
+
+
+def test_qwen3_5_with_a_stock_deltanet_layer_would_be_wrong():
+    # The stock layer ignores the tree (it runs its recurrence straight along the row), which is why
+    # preparation wraps it: unwrapped, packed log-probs differ from the unpacked ones.
+    model = prepare_model_for_tree_attention(build_tiny_qwen3_5())
+    for module in model.modules():
+        if getattr(module, "_harness_tree_ready", False):
+            del module.forward
+    with torch.no_grad():
+        got = packed_logprobs(model, ROWS)
+        expected = unpacked_logprobs(build_tiny_qwen3_5(), ROWS)
+    assert (got - expected).abs().max() > 1e-3
+
+
+def test_packed_gradients_equal_the_sum_of_unpacked_gradients():
+    reference, packed = build_tiny_qwen3(), prepare_model_for_tree_attention(build_tiny_qwen3())
+    weights = torch.linspace(-1.0, 1.0, sum(s.sequence.num_trained for s in ROWS))
+    (unpacked_logprobs(reference, ROWS) * weights).sum().backward()
+    (packed_logprobs(packed, ROWS) * weights).sum().backward()
+    for (name, expected), got in zip(reference.named_parameters(), packed.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def naive_gated_delta_rule(q, k, v, g, beta, state):
+    """The recurrence step by step ([B, H, L, *] inputs): the definition the chunked form must equal."""
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp()[..., None, None]
+        update = beta[:, :, t, None] * (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2))
+        state = state + k[:, :, t, :, None] * update[..., None, :]
+        outputs.append((state * q[:, :, t, :, None]).sum(-2))
+    return torch.stack(outputs, dim=2), state
+
+
+def test_chunked_gated_delta_rule_equals_the_recurrence_from_a_given_state():
+    generator = torch.Generator().manual_seed(0)
+    b, h, length, dk, dv = 2, 3, 37, 8, 5
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    q, k = (torch.nn.functional.normalize(normal(b, h, length, dk), dim=-1) for _ in range(2))
+    v, state = normal(b, h, length, dv), normal(b, h, dk, dv)
+    g = -torch.rand(b, h, length, generator=generator, dtype=torch.float64)
+    beta = torch.rand(b, h, length, generator=generator, dtype=torch.float64)
+    out, final = gated_delta_rule_chunked(q, k, v, g, beta, state, chunk_size=8)
+    expected_out, expected_final = naive_gated_delta_rule(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, expected_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(final, expected_final, atol=1e-10, rtol=1e-10)
+
+
+def test_unsupported_recurrent_layers_are_rejected_at_preparation():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    with pytest.raises(TreeAttentionError, match=r"Qwen3NextGatedDeltaNet.*Qwen3\.5-style"):
+        prepare_model_for_tree_attention(Qwen3NextForCausalLM(config))
+
+
+def test_soft_capping_is_rejected():
+    model = build_tiny_qwen3()
+    model.config.attn_logit_softcapping = 50.0
+    with pytest.raises(TreeAttentionError, match="attn_logit_softcapping"):
+        prepare_model_for_tree_attention(model)
+
+
+def test_calls_without_a_tree_are_refused():
+    model = build_tiny_qwen3()
+    with pytest.raises(TreeAttentionError, match="prepare_model_for_tree_attention"):
+        packed_forward(model, pack_row(ROWS[:1]))
+    prepare_model_for_tree_attention(model)
+    with pytest.raises(TreeAttentionError, match="without a tree_mask"):
+        model(torch.tensor([[1, 2, 3]]))
