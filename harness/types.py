@@ -5,6 +5,7 @@
     TrainingSample    a TrainingSequence with its advantage and provenance, what the trainer packs
     Rollout           one finished rollout: its messages, turns, tool counts, status (spec name)
     RolloutGroup      the num_generations rollouts of one prompt, scored together (spec name)
+    GroupResult       what the worker sends the trainer per prompt: samples, or none when dropped
 
 A multi-turn rollout is a list of TurnRecords; reconciliation (`harness/reconcile.py`) turns them into one
 or more TrainingSequences (more when a turn's prompt does not extend the tokens held so far); scoring
@@ -37,6 +38,8 @@ class TurnRecord:
             top-k / top-p truncation. None means the full vocabulary.
         output_sampler_logprobs: One dict per output token: the sampler's log-probabilities of its most
             likely tokens, keyed by token id (score centering's num_sampler_logprobs).
+        finish_reason: Beyond the reference: why the sampler stopped ("stop", "length",
+            "prompt_too_long"), when known.
     """
 
     prompt_ids: list[int]
@@ -45,6 +48,7 @@ class TurnRecord:
     output_mask: list[int] | None = None
     output_sampling_mask: list[list[int]] | None = None
     output_sampler_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -171,3 +175,21 @@ class RolloutGroup:
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
     rollouts: list[Rollout] = field(default_factory=list)  # beyond the reference: the full records
+
+
+@dataclass
+class GroupResult:
+    """What the rollout worker sends the trainer for one prompt: its samples (none when the group was
+    dropped or the prompt filtered out), so the trainer can count epochs and the resume position.
+
+    Attributes:
+        position: The prompt's position in the worker's stream of prompts (epoch * len(dataset) + index).
+        row_index: The prompt's row in the dataset.
+        samples: The group's training samples; empty when nothing of it is trained on.
+        num_tokens: Tokens of the samples (their input ids, summed).
+    """
+
+    position: int
+    row_index: int
+    samples: list[TrainingSample]
+    num_tokens: int = 0

@@ -43,6 +43,9 @@ class ToolResult:
         content: What the model reads in the tool message: the output, or the error in words it can act on.
         latency_s: Wall time of the call as the rollout saw it, argument checks and queueing included.
         truncated: Whether `content` was cut to the output cap (the cut is marked in the text).
+        error_type: For status ERROR, the exception's class name.
+        infrastructure: Whether the failure is the infrastructure's, not the model's: the tool raised one
+            of the executor's `infrastructure_errors` (a sandbox that died, say) or timed out.
     """
 
     call: ToolCall
@@ -50,6 +53,8 @@ class ToolResult:
     content: str
     latency_s: float
     truncated: bool = False
+    error_type: str | None = None
+    infrastructure: bool = False
 
     @property
     def name(self) -> str:

@@ -52,6 +52,8 @@ class ToolExecutor:
         max_output_chars: Longest tool output the model reads; longer output keeps its head and tail with a
             marker saying how much was cut. A tool's own `max_output_chars` overrides it; None for no cap.
         parallel: Run the calls of one turn concurrently instead of in order.
+        infrastructure_errors: Exception types that mean the infrastructure failed, not the model (e.g.
+            sandboxes.SandboxError); their results, and timeouts, are flagged `infrastructure`.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class ToolExecutor:
         timeout_s: float | None = 60.0,
         max_output_chars: int | None = 16_384,
         parallel: bool = False,
+        infrastructure_errors: tuple[type[BaseException], ...] = (),
     ):
         if max_workers < 1:
             raise ValueError(f"max_workers must be at least 1, got {max_workers}")
@@ -72,6 +75,7 @@ class ToolExecutor:
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self.parallel = parallel
+        self.infrastructure_errors = infrastructure_errors
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="tool")
         self._lock = threading.Lock()
         self._hung = 0
@@ -115,11 +119,12 @@ class ToolExecutor:
             else:
                 outcome = await self._run_in_thread(tool, kwargs, timeout_s)
         except (Exception, SystemExit) as exc:  # SystemExit: a tool calling sys.exit() must not end the run
-            return self._result(call, ToolStatus.ERROR, f"Error: {type(exc).__name__}: {exc}", started, tool)
+            message = f"Error: {type(exc).__name__}: {exc}"
+            infrastructure = isinstance(exc, self.infrastructure_errors)
+            return self._result(call, ToolStatus.ERROR, message, started, tool, exc, infrastructure)
         if isinstance(outcome, _TimedOut):
-            return self._result(
-                call, ToolStatus.TIMEOUT, outcome.message(tool.name, timeout_s), started, tool
-            )
+            message = outcome.message(tool.name, timeout_s)
+            return self._result(call, ToolStatus.TIMEOUT, message, started, tool, infrastructure=True)
         return self._result(call, ToolStatus.OK, render_output(outcome), started, tool)
 
     def close(self) -> None:
@@ -169,11 +174,15 @@ class ToolExecutor:
         content: str,
         started: float,
         tool: Tool | None = None,
+        error: BaseException | None = None,
+        infrastructure: bool = False,
     ) -> ToolResult:
         cap = tool.max_output_chars if tool is not None and tool.max_output_chars is not None else None
         cap = cap if cap is not None else self.max_output_chars
         content, truncated = truncate(content, cap)
-        return ToolResult(call, status, content, time.perf_counter() - started, truncated)
+        error_type = type(error).__name__ if error is not None else None
+        latency_s = time.perf_counter() - started
+        return ToolResult(call, status, content, latency_s, truncated, error_type, infrastructure)
 
 
 class _TimedOut:

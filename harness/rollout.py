@@ -1,0 +1,677 @@
+"""AsyncRolloutLoop: generates and scores rollouts in the rollout worker process.
+
+Each prompt goes through, in order (the reference's hooks; override them in a subclass and set it as
+the trainer's `loop_cls`):
+
+    filter_prompt(row_index, row, epoch)   -> generate for this prompt at all?
+    generate_one(prompt, tools, group_id)  -> one Rollout; calls generate_one_turn per sampling request
+    (the group's rewards: reward_funcs + environments' get_reward + Rollout.reward, summed)
+    compute_advantages(group)              -> one advantage per rollout
+    setup() / close()                      -> create and release what the hooks need, on the loop
+
+Tasks, joined by a bounded queue (shutdown order: dispatch stops, in-flight groups finish or are
+cancelled, scorers drain, then environments, sandboxes and the client close):
+
+    dispatch ──(a task per group, its rollouts concurrent)──> score queue ──> scorers ──> rollout_buffer
+    clock: heartbeat, metrics to the trainer, server load and the concurrency cap, stop requests
+
+Around each rollout (`_run_rollout`, inside the rollout's own task so a slow reset or sandbox start
+delays only it): an environment instance from its pool, a sandbox lease when the manifest asks for one,
+reset, generate_one, get_reward. A rollout that fails for infrastructure reasons (a sandbox that would
+not start or died, a tool that timed out, the server failing after retries, an exception in reset or
+get_reward) becomes a Rollout with status "failed", counted by type and kept out of the group's
+statistics and out of training (unless `score_infra_failures`); the worker carries on. `FailureBreaker`
+stops the run if failures dominate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import multiprocessing.synchronize
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+
+from environments.base import environment_tools
+from environments.routing import RoutedEnvironment, reset_arguments, resolve_environments, route
+from harness.chat import ChatRenderer
+from harness.client import GenerationClient, GenerationError, SamplingConfig
+from harness.config import AsyncGRPOConfig
+from harness.env_pool import EnvironmentPool, call_hook
+from harness.metrics import MetricsWindow
+from harness.pacing import ConcurrencyCap, FailureBreaker, TokenGate
+from harness.reconcile import reconcile_metrics, reconcile_rollout
+from harness.rollout_metrics import record_group
+from harness.scoring import (
+    RewardFunctionError,
+    call_reward_funcs,
+    group_advantages,
+    is_degenerate,
+    reward_func_name,
+    sum_rewards,
+)
+from harness.types import GroupResult, Rollout, RolloutGroup, TrainingSample, TurnRecord
+from sandboxes.errors import SandboxError
+from sandboxes.pool import SandboxPool
+from tools import ToolExecutor, ToolResult, Toolset, ToolStatus
+
+log = logging.getLogger(__name__)
+LOAD_POLL_S = 5.0
+METRICS_FLUSH_S = 1.0
+NUM_SCORERS = 4
+
+
+class InfrastructureFailure(RuntimeError):
+    """A rollout stopped because the infrastructure failed (see the module docstring)."""
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class AsyncRolloutLoop:
+    """Generates and scores rollouts for AsyncGRPOTrainer, in the spawned rollout process.
+
+    The reference's constructor; the shared values are multiprocessing objects the trainer created:
+    `model_version_value` (the policy version), `token_allowance` (how many tokens the worker may have
+    produced in all, see harness/pacing.py), `heartbeat_value` (set to time.time() every second),
+    `failed_event` and `exception_info_queue` (a fatal error and its traceback), `metrics_queue` (logging
+    windows), `rollout_buffer` (GroupResult items). Beyond the reference: `stop_event` asks for a
+    graceful stop, and `client` may be given (tests pass a double implementing GenerationClient's
+    methods).
+    """
+
+    def __init__(
+        self,
+        config: AsyncGRPOConfig,
+        model_name: str,
+        dataset: Any,
+        reward_funcs: Sequence[Callable[..., Any]],
+        processing_class: Any,
+        eos_token_ids: Sequence[int],
+        rollout_buffer: Any,
+        model_version_value: Any,
+        token_allowance: Any,
+        heartbeat_value: Any,
+        failed_event: Any,
+        exception_info_queue: Any,
+        metrics_queue: Any,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Any = None,
+        score_queue_maxsize: int = 16,
+        lora_name: str | None = None,
+        dataset_start_index: int = 0,
+        *,
+        stop_event: multiprocessing.synchronize.Event | None = None,
+        client: Any = None,
+    ):
+        self.config = config
+        self.model_name = model_name
+        self.dataset = dataset
+        self.reward_funcs = list(reward_funcs)
+        self.tokenizer = processing_class
+        self.eos_token_ids = set(eos_token_ids)
+        self.rollout_buffer = rollout_buffer
+        self.model_version_value = model_version_value
+        self.token_allowance = token_allowance
+        self.heartbeat_value = heartbeat_value
+        self.failed_event = failed_event
+        self.exception_info_queue = exception_info_queue
+        self.metrics_queue = metrics_queue
+        self.tools = list(tools or [])
+        self.environments: dict[str, RoutedEnvironment] = resolve_environments(environment_factory)
+        self.score_queue_maxsize = score_queue_maxsize
+        self.lora_name = lora_name
+        self.dataset_start_index = dataset_start_index
+        self.stop_event = stop_event
+        self.client = client
+        self.sampling = SamplingConfig(
+            max_tokens=config.max_completion_length,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            min_p=config.min_p or 0.0,
+            repetition_penalty=config.repetition_penalty,
+            num_logprobs=config.num_sampler_logprobs,
+        )
+        self.window = MetricsWindow()
+        self.group_ids = iter(range(1 << 62))
+        self.tokens_produced = 0
+        self.generated_tokens = 0
+        self.max_model_len: int | None = None
+        self._last_flush = time.monotonic()
+
+    # --- the hooks ------------------------------------------------------------------------------------
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Whether to generate for a prompt; a rejected one counts as consumed. Admits every prompt."""
+        return True
+
+    async def generate_one(
+        self, prompt: list[dict[str, Any]], tools: list[Any], group_id: int = 0
+    ) -> Rollout:
+        """One rollout: the multi-turn tool loop until the model stops calling tools, the tool-calling
+        iterations run out, or the conversation reaches max_model_len."""
+        toolset = Toolset(tools)
+        conversation = self.renderer.start(prompt, tools=toolset if len(toolset) else None)
+        turns: list[TurnRecord] = []
+        completion: list[dict[str, Any]] = []
+        completion_ids: list[int] = []
+        tool_calls = tool_failures = iterations = 0
+        stop_reason = "stop"
+        while True:
+            prompt_ids = conversation.prompt_ids()
+            turn = await self.generate_one_turn(prompt_ids)
+            turns.append(turn)
+            completion_ids += turn.output_ids
+            if turn.finish_reason == "prompt_too_long":
+                stop_reason = "max_model_len"
+                break
+            parsed = self.renderer.parse(turn.output_ids, tools=toolset)
+            self._record_parse_errors(parsed.errors)
+            message = parsed.to_message()
+            completion.append(message)
+            if turn.finish_reason == "length":
+                stop_reason = "length"
+                break
+            if not parsed.tool_calls and parsed.ok:
+                break
+            limit = self.config.max_tool_calling_iterations
+            if limit is not None and iterations >= limit:
+                stop_reason = "max_tool_calling_iterations"
+                break
+            iterations += 1
+            conversation.add_reply(turn.output_ids, message)
+            results = await self.executor.run(list(parsed.tool_calls), toolset)
+            tool_calls += len(results)
+            tool_failures += sum(not result.ok for result in results)
+            self._record_tool_results(results)
+            infrastructure = next((result for result in results if result.infrastructure), None)
+            if infrastructure is not None:
+                error_type = infrastructure.error_type or infrastructure.status.value
+                raise InfrastructureFailure(
+                    error_type, f"tool {infrastructure.name}: {infrastructure.content}"
+                )
+            new_messages = [_tool_message(result) for result in results]
+            feedback = self.renderer.parser.error_message(parsed) if parsed.errors else None
+            if feedback is not None:
+                new_messages.append(feedback)
+            completion += new_messages
+            conversation.add_messages(new_messages)
+        return Rollout(
+            completion=completion,
+            completion_ids=completion_ids,
+            turns=turns,
+            tool_call_count=tool_calls,
+            tool_failure_count=tool_failures,
+            stop_reason=stop_reason,
+        )
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the config's sampling settings."""
+        completion = await self.client.generate(prompt_ids, self.sampling, model=self.lora_name)
+        turn = completion.to_turn_record(prompt_ids)
+        turn.finish_reason = completion.finish_reason
+        self.generated_tokens += len(completion.output_ids)
+        return turn
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """Each reward standardised within the group; NaN rewards get 0 and stay out of mean and std."""
+        assert group.rewards is not None
+        return group_advantages(group.rewards)
+
+    async def setup(self) -> None:
+        """Create what the other hooks need, on the loop's event loop. Nothing by default."""
+
+    async def close(self) -> None:
+        """Release what setup() created; runs when the loops stop, also on failure. Nothing by default."""
+
+    # --- the process's main coroutine ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until the prompts are exhausted, a stop is requested, or something fatal happens."""
+        async with contextlib.AsyncExitStack() as stack:
+            await self._open(stack)
+            await self.setup()
+            stack.push_async_callback(self.close)
+            self.score_send, score_receive = anyio.create_memory_object_stream[tuple[RolloutGroup, float]](
+                self.score_queue_maxsize
+            )
+            async with anyio.create_task_group() as group:
+                self._task_group = group
+                group.start_soon(self._clock)
+                async with anyio.create_task_group() as scorers:
+                    for _ in range(NUM_SCORERS):
+                        scorers.start_soon(self._score_loop, score_receive.clone())
+                    score_receive.close()
+                    async with self.score_send:
+                        await self._dispatch()
+                group.cancel_scope.cancel()  # the clock
+            self._flush_metrics()
+
+    async def _open(self, stack: contextlib.AsyncExitStack) -> None:
+        config = self.config
+        if self.client is None:
+            self.client = await stack.enter_async_context(
+                GenerationClient(
+                    config.vllm_server_base_url,
+                    timeout_s=config.vllm_server_timeout,
+                    max_concurrency=config.max_concurrent_rollouts,
+                    model=self.model_name,
+                )
+            )
+            await self.client.wait_until_ready()
+        self.max_model_len = (await self.client.model_info()).max_model_len
+        self.renderer = ChatRenderer(
+            self.tokenizer,
+            chat_template_kwargs=_as_dict(config.chat_template_kwargs),
+            tool_call_format=config.tool_call_format,
+            check_fraction=config.render_check_frac,
+            eos_token_ids=sorted(self.eos_token_ids),
+        )
+        self.executor = stack.enter_context(
+            ToolExecutor(
+                max_workers=config.max_concurrent_rollouts,
+                timeout_s=config.tool_timeout_s,
+                max_output_chars=config.tool_max_output_chars,
+                parallel=config.parallel_tool_calls,
+                infrastructure_errors=(SandboxError,),
+            )
+        )
+        self.thread_limiter = anyio.CapacityLimiter(config.max_concurrent_rollouts)
+        self.env_pools = {
+            name: EnvironmentPool(routed, limiter=self.thread_limiter)
+            for name, routed in self.environments.items()
+        }
+        self.sandbox_pools: dict[Any, SandboxPool] = {}
+        for routed in self.environments.values():
+            spec = routed.manifest.sandbox
+            if spec is not None and spec not in self.sandbox_pools:
+                self.sandbox_pools[spec] = await stack.enter_async_context(
+                    SandboxPool(
+                        spec,
+                        min_idle=config.sandbox_min_idle,
+                        max_total=config.max_concurrent_rollouts,
+                        max_starting=config.sandbox_max_starting,
+                        reuse=config.sandbox_reuse,
+                    )
+                )
+        for pool in self.env_pools.values():
+            stack.push_async_callback(pool.close)
+        first_load = await self.client.server_load()
+        self.cap = ConcurrencyCap(config.max_concurrent_rollouts, self.max_model_len or 1, first_load)
+        self.rollout_slots = anyio.CapacityLimiter(self.cap.value)
+        self.gate = TokenGate()
+        self.breaker = FailureBreaker(config.failure_window, config.max_failure_frac)
+        self.in_flight = 0
+
+    # --- dispatch -----------------------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        async with anyio.create_task_group() as groups:
+            self._groups_scope = groups.cancel_scope
+            accepted_this_epoch, current_epoch = 0, None
+            for position, row_index, epoch, row in self._prompt_stream():
+                if self._stop_requested():
+                    break
+                if epoch != current_epoch:
+                    if current_epoch is not None and accepted_this_epoch == 0:
+                        raise RuntimeError(f"filter_prompt rejected every prompt of epoch {current_epoch}")
+                    current_epoch, accepted_this_epoch = epoch, 0
+                if not self.filter_prompt(row_index, row, epoch):
+                    self.rollout_buffer.put(GroupResult(position, row_index, []))
+                    continue
+                accepted_this_epoch += 1
+                await self._wait_for_allowance()
+                self.gate.group_started()
+                groups.start_soon(self._run_group, position, row_index, row)
+
+    def _prompt_stream(self) -> Iterator[tuple[int, int, int, dict[str, Any]]]:
+        """(position, row index, epoch, row) forever, or for the configured epochs: each epoch a fresh
+        seeded shuffle; environment-only runs get empty rows."""
+        position = self.dataset_start_index
+        if self.dataset is None:
+            while True:
+                yield position, position, 0, {}
+                position += 1
+        if not hasattr(self.dataset, "__len__"):  # a streaming dataset cannot be repositioned
+            for index, row in enumerate(self.dataset):
+                yield index, index, 0, dict(row)
+            return
+        size = len(self.dataset)
+        if size == 0:
+            raise ValueError("the training dataset is empty")
+        epochs = math.ceil(self.config.num_train_epochs) if self.config.max_steps <= 0 else None
+        while epochs is None or position < epochs * size:
+            epoch, index = divmod(position, size)
+            order = np.random.default_rng(self.config.seed + epoch).permutation(size)
+            row_index = int(order[index])
+            yield position, row_index, epoch, dict(self.dataset[row_index])
+            position += 1
+
+    async def _wait_for_allowance(self) -> None:
+        """Wait until the token allowance admits another group and the concurrency cap has room for it."""
+        await anyio.lowlevel.checkpoint()
+        waited = 0.0
+        while not self._may_start_group():
+            if self._stop_requested():
+                return
+            await anyio.sleep(0.01)
+            waited += 0.01
+        if waited:
+            self.window.add("rollout/backpressure_s", waited)
+
+    def _may_start_group(self) -> bool:
+        if not self.gate.may_start(self.tokens_produced, int(self.token_allowance.value)):
+            return False
+        # Rollouts beyond the cap would only queue for a slot; keep at most one group's worth waiting.
+        reserved = self.gate.groups_in_flight * self.config.num_generations
+        return reserved < self.rollout_slots.total_tokens
+
+    # --- a group and its rollouts ---------------------------------------------------------------------
+
+    async def _run_group(self, position: int, row_index: int, row: dict[str, Any]) -> None:
+        group_id = next(self.group_ids)
+        model_version = int(self.model_version_value.value)
+        size = self.config.num_generations
+        results: list[tuple[Rollout, list[dict[str, Any]], tuple[type, float] | None]] = [None] * size  # type: ignore[list-item]
+
+        async def one(index: int) -> None:
+            results[index] = await self._run_rollout(row, group_id)
+
+        async with anyio.create_task_group() as rollouts:
+            for index in range(size):
+                rollouts.start_soon(one, index)
+        columns = {key: [value] * size for key, value in row.items() if key != "prompt"}
+        group = RolloutGroup(
+            prompts=[prompt for _, prompt, _ in results],
+            reward_kwargs=columns,
+            completions=[rollout.completion for rollout, _, _ in results],
+            completions_ids=[rollout.completion_ids for rollout, _, _ in results],
+            completions_sequences=[[] for _ in results],
+            tool_call_counts=[rollout.tool_call_count for rollout, _, _ in results],
+            tool_failure_counts=[rollout.tool_failure_count for rollout, _, _ in results],
+            model_version=model_version,
+            group_id=group_id,
+            row_index=row_index,
+            env_rewards=[env_reward for _, _, env_reward in results],
+            rollout_rewards=[rollout.reward for rollout, _, _ in results],
+            rollouts=[rollout for rollout, _, _ in results],
+        )
+        group.queued_at = time.monotonic()
+        started = time.monotonic()
+        await self.score_send.send((group, position))
+        blocked = time.monotonic() - started
+        if blocked > 1e-3:
+            self.window.add("rollout/score_block_s", blocked)
+
+    async def _run_rollout(
+        self, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, list[dict[str, Any]], tuple[type, float] | None]:
+        """One rollout in its own task: environment and sandbox, reset, generate_one, get_reward."""
+        async with self.rollout_slots:
+            self.in_flight += 1
+            started = time.monotonic()
+            routed = route(row, self.environments) if self.environments else None
+            prompt = _prompt_of(row, None)
+            env_reward = None
+            try:
+                if routed is None:
+                    rollout = await self.generate_one(prompt, self.tools, group_id)
+                else:
+                    rollout, prompt, env_reward = await self._run_in_environment(routed, row, group_id)
+            except InfrastructureFailure as exc:
+                rollout = _failed(exc.error_type, str(exc))
+            except (GenerationError, SandboxError) as exc:
+                rollout = _failed(type(exc).__name__, str(exc))
+            except TimeoutError as exc:
+                rollout = _failed("EpisodeTimeout", str(exc) or "the episode ran past episode_timeout_s")
+            except Exception as exc:  # environment code or a custom generate_one: data, not a crash
+                log.warning("rollout failed: %s: %s", type(exc).__name__, exc, exc_info=True)
+                rollout = _failed(type(exc).__name__, str(exc))
+            finally:
+                self.in_flight -= 1
+                self.cap.rollout_finished()
+            if routed is not None:
+                rollout.environment = routed.name
+            self.window.add("rollout/duration_s", time.monotonic() - started)
+            self.breaker.record(rollout.failed, rollout.error_type or "")
+            return rollout, prompt, env_reward
+
+    async def _run_in_environment(
+        self, routed: RoutedEnvironment, row: dict[str, Any], group_id: int
+    ) -> tuple[Rollout, list[dict[str, Any]], tuple[type, float] | None]:
+        manifest = routed.manifest
+        sandbox_pool = self.sandbox_pools.get(manifest.sandbox) if manifest.sandbox is not None else None
+        with anyio.fail_after(manifest.episode_timeout_s):
+            async with self.env_pools[routed.name].instance() as env, contextlib.AsyncExitStack() as lease:
+                if sandbox_pool is not None:
+                    leased_at = time.monotonic()
+                    env.sandbox = await lease.enter_async_context(sandbox_pool.lease())
+                    self.window.add(f"env/{routed.name}/sandbox_acquire_s", time.monotonic() - leased_at)
+                try:
+                    started = time.monotonic()
+                    reset_text = await call_hook(
+                        env.reset, limiter=self.thread_limiter, **reset_arguments(row)
+                    )
+                    self.window.add("env/reset_s", time.monotonic() - started)
+                    prompt = _prompt_of(row, reset_text)
+                    tools = [*self.tools, *environment_tools(env, manifest).values()]
+                    rollout = await self.generate_one(prompt, tools, group_id)
+                    env_reward = None
+                    get_reward = getattr(env, "get_reward", None)
+                    if callable(get_reward) and not rollout.failed:
+                        started = time.monotonic()
+                        value = await call_hook(get_reward, limiter=self.thread_limiter)
+                        self.window.add("env/reward_s", time.monotonic() - started)
+                        env_reward = (routed.cls, float(value))
+                finally:
+                    env.sandbox = None
+        return rollout, prompt, env_reward
+
+    # --- scoring ----------------------------------------------------------------------------------------
+
+    async def _score_loop(self, receive: Any) -> None:
+        async with receive:
+            async for group, position in receive:
+                self.window.add("rollout/score_wait_s", time.monotonic() - group.queued_at)
+                started = time.monotonic()
+                result = await self._score(group, position)
+                self.window.add("rollout/score_s", time.monotonic() - started)
+                self.tokens_produced += result.num_tokens
+                self.gate.group_finished(result.num_tokens or 1)
+                self.rollout_buffer.put(result)
+
+    async def _score(self, group: RolloutGroup, position: int) -> GroupResult:
+        rollouts = group.rollouts
+        size = len(rollouts)
+        counted = [not rollout.failed or self.config.score_infra_failures for rollout in rollouts]
+        rewards_F_G = np.full((len(self.reward_funcs), size), np.nan)
+        kept = [index for index in range(size) if counted[index]]  # reward functions never see failures
+        try:
+            if kept:
+                rewards_F_G[:, kept] = await call_reward_funcs(
+                    self.reward_funcs,
+                    [group.prompts[i] for i in kept],
+                    [group.completions[i] for i in kept],
+                    [group.completions_ids[i] for i in kept],
+                    {key: [values[i] for i in kept] for key, values in group.reward_kwargs.items()},
+                    limiter=self.thread_limiter,
+                )
+        except RewardFunctionError as exc:  # the group is dropped (all NaN), its rollouts still recorded
+            log.error("group %d dropped: %s", group.group_id, exc)
+            self.window.add("rollout/reward_error_count", 1)
+        env_values = [None if reward is None else reward[1] for reward in group.env_rewards]
+        total_G = sum_rewards(rewards_F_G, env_values, group.rollout_rewards)
+        total_G[~np.array(counted)] = np.nan  # infrastructure failures stay out of the baseline
+        group.rewards = total_G
+        advantages_G = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        dropped = is_degenerate(total_G)
+        samples: list[TrainingSample] = []
+        reconciled = []
+        for index, rollout in enumerate(rollouts):
+            if not rollout.turns:
+                continue
+            result = reconcile_rollout(rollout.turns, rollout_id=rollout.rollout_id)
+            reconciled.append(result)
+            group.completions_sequences[index] = result.sequences
+            if dropped or not counted[index] or math.isnan(total_G[index]):
+                continue
+            samples += [
+                TrainingSample(sequence, float(advantages_G[index]), group.group_id, group.model_version)
+                for sequence in result.sequences
+                if sequence.num_trained
+            ]
+        now = time.monotonic()
+        for sample in samples:
+            sample.queued_at = now
+        self.window.add_many(reconcile_metrics(reconciled))
+        names, rewards_S_G = self._reward_sources(rewards_F_G, group)
+        record_group(
+            self.window,
+            rollouts=rollouts,
+            source_names=names,
+            rewards_S_G=rewards_S_G,
+            total_G=total_G,
+            dropped=dropped,
+            num_samples=len(samples),
+            eos_token_ids=self.eos_token_ids,
+            has_tools=bool(self.tools or self.environments),
+            per_environment=len(self.environments) > 1,
+        )
+        self.window.add("rollout/samples_per_rollout", len(samples) / max(size, 1))
+        num_tokens = sum(len(sample.sequence.input_ids) for sample in samples)
+        return GroupResult(position, group.row_index, samples, num_tokens)
+
+    def _reward_sources(self, rewards_F_G: np.ndarray, group: RolloutGroup) -> tuple[list[str], np.ndarray]:
+        names = [reward_func_name(func) for func in self.reward_funcs]
+        rows = [rewards_F_G]
+        by_env: dict[str, np.ndarray] = {}
+        for index, reward in enumerate(group.env_rewards):
+            if reward is not None:
+                cls, value = reward
+                routed = next((r for r in self.environments.values() if r.cls is cls), None)
+                name = routed.reward_names[0] if routed is not None and routed.reward_names else cls.__name__
+                by_env.setdefault(name, np.full(len(group.env_rewards), np.nan))[index] = value
+        names += list(by_env)
+        rows += [values[None, :] for values in by_env.values()]
+        return names, np.concatenate(rows, axis=0) if rows else np.empty((0, len(group.env_rewards)))
+
+    # --- the clock --------------------------------------------------------------------------------------
+
+    async def _clock(self) -> None:
+        last_poll = 0.0
+        while True:
+            self.heartbeat_value.value = time.time()
+            if self._stop_requested() and getattr(self, "_groups_scope", None) is not None:
+                self._groups_scope.cancel()  # stop now: in-flight rollouts are abandoned, not finished
+            now = time.monotonic()
+            if now - last_poll >= LOAD_POLL_S:
+                last_poll = now
+                await self._poll_server()
+            self.window.add("rollout/concurrency", self.in_flight)
+            self.window.add("rollout/concurrency_cap", self.rollout_slots.total_tokens)
+            self._flush_metrics()
+            await anyio.sleep(METRICS_FLUSH_S)
+
+    async def _poll_server(self) -> None:
+        try:
+            load = await self.client.server_load()
+        except GenerationError:
+            return
+        if load is None:
+            return
+        self.cap.update(load)
+        self.rollout_slots.total_tokens = self.cap.value
+        if load.kv_cache_usage is not None:
+            self.window.add("rollout/vllm_kv_cache_usage_frac", load.kv_cache_usage)
+        self.window.add("rollout/vllm_running_requests", load.num_running)
+        self.window.add("rollout/vllm_queued_requests", load.num_waiting)
+        previous = getattr(self, "_preemptions", load.num_preemptions)
+        self.window.add("rollout/vllm_preemption_count", max(load.num_preemptions - previous, 0))
+        self._preemptions = load.num_preemptions
+
+    def _flush_metrics(self) -> None:
+        now = time.monotonic()
+        self.window.add_rate("rollout/generated_tokens_per_s", self.generated_tokens, now - self._last_flush)
+        self.generated_tokens, self._last_flush = 0, now
+        self.window.add_many(self.client.pop_metrics())
+        self.window.add_many(self.renderer.stats.summary())
+        self.renderer.stats.reset()
+        if self.window:
+            self.metrics_queue.put(self.window.state())
+            self.window.reset()
+
+    def _stop_requested(self) -> bool:
+        return self.stop_event is not None and self.stop_event.is_set()
+
+    # --- per-call metrics --------------------------------------------------------------------------------
+
+    def _record_tool_results(self, results: Sequence[ToolResult]) -> None:
+        window = self.window
+        window.add("tools/parallel_calls_mean", len(results))
+        for result in results:
+            window.add("tools/latency_s", result.latency_s)
+            window.add("tools/failure_frequency", float(not result.ok))
+            if result.status is ToolStatus.UNKNOWN_TOOL:
+                window.add("tools/unknown_name_count", 1)
+                continue
+            window.add(f"tools/{result.name}/call_count", 1)
+            window.add(f"tools/{result.name}/failure_count", int(not result.ok))
+            window.add(f"tools/{result.name}/latency_s", result.latency_s)
+            if not result.ok:
+                window.add(f"tools/{result.status.value}_count", 1)
+
+    def _record_parse_errors(self, errors: Sequence[Any]) -> None:
+        if errors:
+            self.window.add("tools/parse_error_count", len(errors))
+            for error in errors:
+                self.window.add(f"tools/parse_error/{error.family}_count", 1)
+
+
+def _prompt_of(row: Mapping[str, Any], reset_text: str | None) -> list[dict[str, Any]]:
+    """The prompt messages of a row, with the text reset returned appended to the last user message (or
+    as the user message when the row has no prompt)."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        raise ValueError("prompts must be conversational (a list of messages), not a plain string")
+    messages = copy.deepcopy(list(prompt or []))
+    if reset_text:
+        if messages and messages[-1].get("role") == "user":
+            messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}\n\n{reset_text}"}
+        else:
+            messages.append({"role": "user", "content": reset_text})
+    return messages
+
+
+def _tool_message(result: ToolResult) -> dict[str, Any]:
+    message = {"role": "tool", "name": result.name, "content": result.content}
+    if result.call.id is not None:
+        message["tool_call_id"] = result.call.id
+    return message
+
+
+def _failed(error_type: str, message: str) -> Rollout:
+    return Rollout(
+        completion=[],
+        completion_ids=[],
+        turns=[],
+        status="failed",
+        error_type=error_type,
+        error=message[:2000],
+        stop_reason="failed",
+    )
+
+
+def _as_dict(value: Any) -> dict[str, Any] | None:
+    if value is None or isinstance(value, dict):
+        return value
+    import json
+
+    return json.loads(value)

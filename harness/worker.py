@@ -1,0 +1,250 @@
+"""The rollout worker process, and the trainer's handle on it.
+
+    worker = RolloutWorker(loop_cls, loop_kwargs, heartbeat_timeout_s=config.rollout_worker_timeout)
+    worker.start()                      # checks that every user callable pickles, then spawns
+    result = worker.get(timeout_s=1.0)  # a GroupResult, or None; raises if the worker died or hung
+    worker.check()                      # the same health check, for the trainer to call every step
+    windows = worker.drain_metrics()    # metrics windows (MetricsWindow.state()) sent since last time
+    worker.stop()                       # graceful (stop event), then SIGTERM, then SIGKILL
+
+The worker is a *spawned* process (a fresh interpreter: CUDA state is never forked) with
+CUDA_VISIBLE_DEVICES="" so it cannot touch the trainer's GPUs. It builds `loop_cls(**loop_kwargs, ...)`
+there and runs `loop.run()`. Everything crossing the boundary is pickled, so reward functions, tools and
+environment factories must be picklable: module-level functions, functools.partial or callable class
+instances, not lambdas or closures; `start()` checks that first and names what is not.
+
+Failure: an exception in the worker is sent to the trainer with its traceback and raised there as
+`RolloutWorkerError`; a worker that exits, or whose heartbeat is older than `heartbeat_timeout_s`, is
+reported the same way. Stopping closes the worker's environments and sandboxes (its loop unwinds on the
+stop event or on SIGTERM); whatever a SIGKILL leaves, the sandbox reaper removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from harness.types import GroupResult
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker failed, exited or hung; the message carries its traceback or what is known."""
+
+
+@dataclass
+class _Finished:
+    """Sent by the worker when its prompts are exhausted."""
+
+
+@dataclass
+class WorkerChannels:
+    """The shared objects between trainer and worker (created by the trainer, inherited by the worker)."""
+
+    rollout_buffer: Any
+    model_version_value: Any
+    token_allowance: Any
+    heartbeat_value: Any
+    failed_event: Any
+    exception_info_queue: Any
+    metrics_queue: Any
+    stop_event: Any
+
+    @classmethod
+    def create(cls, context: Any, token_allowance: int) -> WorkerChannels:
+        return cls(
+            rollout_buffer=context.Queue(),
+            model_version_value=context.Value("q", 0),
+            token_allowance=context.Value("q", token_allowance),
+            heartbeat_value=context.Value("d", time.time()),
+            failed_event=context.Event(),
+            exception_info_queue=context.Queue(),
+            metrics_queue=context.Queue(),
+            stop_event=context.Event(),
+        )
+
+
+def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:
+    """The worker process's entry point (module level, so it pickles for spawn)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwind: environments, sandboxes and the client close
+
+    signal.signal(signal.SIGTERM, terminate)
+    import anyio
+
+    try:
+        loop = loop_cls(
+            **loop_kwargs,
+            rollout_buffer=channels.rollout_buffer,
+            model_version_value=channels.model_version_value,
+            token_allowance=channels.token_allowance,
+            heartbeat_value=channels.heartbeat_value,
+            failed_event=channels.failed_event,
+            exception_info_queue=channels.exception_info_queue,
+            metrics_queue=channels.metrics_queue,
+            stop_event=channels.stop_event,
+        )
+        anyio.run(loop.run)
+        channels.rollout_buffer.put(_Finished())
+    except BaseException as exc:
+        if not (isinstance(exc, SystemExit) and channels.stop_event.is_set()):
+            channels.exception_info_queue.put("".join(traceback.format_exception(exc)))
+            channels.failed_event.set()
+        raise
+
+
+class RolloutWorker:
+    """The trainer's handle on the rollout process (see the module docstring)."""
+
+    def __init__(
+        self,
+        loop_cls: type,
+        loop_kwargs: Mapping[str, Any],
+        *,
+        heartbeat_timeout_s: float = 300.0,
+        initial_token_allowance: int = 1 << 40,
+    ):
+        self.loop_cls = loop_cls
+        self.loop_kwargs = dict(loop_kwargs)
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._context = multiprocessing.get_context("spawn")
+        self.channels = WorkerChannels.create(self._context, initial_token_allowance)
+        self._process: Any = None
+        self.finished = False
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        check_picklable(self.loop_cls, self.loop_kwargs)
+        self._process = self._context.Process(
+            target=worker_main,
+            args=(self.loop_cls, self.loop_kwargs, self.channels),
+            name="rollout-worker",
+            daemon=True,
+        )
+        self._process.start()
+
+    def stop(self, graceful_s: float = 30.0) -> None:
+        """Stop the worker: ask, then SIGTERM, then SIGKILL. Idempotent."""
+        if self._process is None:
+            return
+        self.channels.stop_event.set()
+        self._process.join(graceful_s)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(15.0)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._process = None
+        for channel in (
+            self.channels.rollout_buffer,
+            self.channels.metrics_queue,
+            self.channels.exception_info_queue,
+        ):
+            _drain(channel)
+            channel.close()
+            channel.join_thread()
+
+    def __enter__(self) -> RolloutWorker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # --- talking to it --------------------------------------------------------------------------------
+
+    def get(self, timeout_s: float = 1.0) -> GroupResult | None:
+        """The next group's result, or None after `timeout_s`; raises if the worker failed or hung."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                item = self.channels.rollout_buffer.get(
+                    timeout=min(0.2, max(deadline - time.monotonic(), 0.01))
+                )
+            except queue.Empty:
+                self.check()
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            if isinstance(item, _Finished):
+                self.finished = True
+                return None
+            return item
+
+    def check(self) -> None:
+        """Raise RolloutWorkerError if the worker reported an error, exited, or stopped beating."""
+        if self.channels.failed_event.is_set():
+            try:
+                detail = self.channels.exception_info_queue.get(timeout=5.0)
+            except queue.Empty:
+                detail = "(no traceback arrived)"
+            raise RolloutWorkerError(f"the rollout worker failed:\n{detail}")
+        if self._process is not None and not self._process.is_alive() and not self.finished:
+            raise RolloutWorkerError(
+                f"the rollout worker exited unexpectedly (exit code {self._process.exitcode})"
+            )
+        age = time.time() - self.channels.heartbeat_value.value
+        if self._process is not None and age > self.heartbeat_timeout_s:
+            raise RolloutWorkerError(
+                f"the rollout worker sent no heartbeat for {age:.0f} s (rollout_worker_timeout is "
+                f"{self.heartbeat_timeout_s:g} s): it is hung"
+            )
+
+    def drain_metrics(self) -> list[dict[str, list[float]]]:
+        windows = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                windows.append(self.channels.metrics_queue.get_nowait())
+        return windows
+
+    def set_model_version(self, version: int) -> None:
+        self.channels.model_version_value.value = version
+
+    def set_token_allowance(self, tokens: int) -> None:
+        self.channels.token_allowance.value = tokens
+
+
+def check_picklable(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:
+    """Everything sent to the worker must pickle; raise TypeError naming the first thing that does not."""
+    candidates: list[tuple[str, Any]] = [("loop_cls", loop_cls)]
+    for func in loop_kwargs.get("reward_funcs") or []:
+        candidates.append(("reward function", func))
+    for tool in loop_kwargs.get("tools") or []:
+        candidates.append(("tool", tool))
+    factory = loop_kwargs.get("environment_factory")
+    if isinstance(factory, Mapping):
+        candidates += [(f"environment_factory[{name!r}]", value) for name, value in factory.items()]
+    elif factory is not None:
+        candidates.append(("environment_factory", factory))
+    for key, value in loop_kwargs.items():
+        if key not in ("reward_funcs", "tools", "environment_factory"):
+            candidates.append((key, value))
+    for what, value in candidates:
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            name = getattr(value, "__qualname__", None) or type(value).__name__
+            raise TypeError(
+                f"the {what} {name} cannot be sent to the rollout worker process "
+                f"({type(exc).__name__}: {exc}). Define it at module level, or use functools.partial or a "
+                "callable class instance; lambdas and closures do not pickle. Keep the training code under "
+                "`if __name__ == '__main__':`."
+            ) from exc
+
+
+def _drain(channel: Any) -> None:
+    with contextlib.suppress(queue.Empty, OSError, ValueError):
+        while True:
+            channel.get_nowait()
