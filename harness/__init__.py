@@ -10,7 +10,16 @@ from typing import Any
 __version__ = "0.1.0"
 
 # public name -> module that defines it
-_EXPORTS: dict[str, str] = {}
+_EXPORTS: dict[str, str] = {
+    "AsyncGRPOConfig": "harness.config",
+    "AsyncGRPOTrainer": "harness.trainer",
+    "AsyncRolloutLoop": "harness.rollout",
+    "Rollout": "harness.types",
+    "RolloutGroup": "harness.types",
+    "TurnRecord": "harness.types",
+    "TrainingSequence": "harness.types",
+    "GenerationClient": "harness.client",
+}
 
 __all__ = ["__version__", *_EXPORTS]
 

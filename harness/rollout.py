@@ -174,6 +174,10 @@ class AsyncRolloutLoop:
                 stop_reason = "max_model_len"
                 break
             parsed = self.renderer.parse(turn.output_ids, tools=toolset)
+            if not len(toolset):  # nothing to call: whatever the reply looks like, it is the answer
+                completion.append({"role": "assistant", "content": parsed.to_message()["content"]})
+                stop_reason = "length" if turn.finish_reason == "length" else "stop"
+                break
             self._record_parse_errors(parsed.errors)
             message = parsed.to_message()
             completion.append(message)
@@ -486,6 +490,7 @@ class AsyncRolloutLoop:
                 self.window.add("rollout/score_s", time.monotonic() - started)
                 self.tokens_produced += result.num_tokens
                 self.gate.group_finished(result.num_tokens or 1)
+                self._flush_metrics()  # the group's metrics reach the trainer before its samples do
                 self.rollout_buffer.put(result)
 
     async def _score(self, group: RolloutGroup, position: int) -> GroupResult:

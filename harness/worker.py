@@ -80,6 +80,7 @@ def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerCha
         raise SystemExit(128 + signum)  # unwind: environments, sandboxes and the client close
 
     signal.signal(signal.SIGTERM, terminate)
+    _exit_with_parent()
     import anyio
 
     try:
@@ -101,6 +102,20 @@ def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerCha
             channels.exception_info_queue.put("".join(traceback.format_exception(exc)))
             channels.failed_event.set()
         raise
+
+
+def _exit_with_parent() -> None:
+    """SIGTERM ourselves when the trainer dies (even by SIGKILL), so no orphaned worker lingers."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class RolloutWorker:
@@ -139,7 +154,12 @@ class RolloutWorker:
         if self._process is None:
             return
         self.channels.stop_event.set()
-        self._process.join(graceful_s)
+        deadline = time.monotonic() + graceful_s
+        while self._process.is_alive() and time.monotonic() < deadline:
+            # Keep reading while it winds down: a worker blocked writing into a full pipe cannot exit.
+            _drain(self.channels.rollout_buffer)
+            _drain(self.channels.metrics_queue)
+            self._process.join(0.05)
         if self._process.is_alive():
             self._process.terminate()
             self._process.join(15.0)
@@ -147,14 +167,13 @@ class RolloutWorker:
             self._process.kill()
             self._process.join()
         self._process = None
+        # Not read again: a process killed mid-write can leave half a message in the pipe.
         for channel in (
             self.channels.rollout_buffer,
             self.channels.metrics_queue,
             self.channels.exception_info_queue,
         ):
-            _drain(channel)
             channel.close()
-            channel.join_thread()
 
     def __enter__(self) -> RolloutWorker:
         self.start()
@@ -245,6 +264,7 @@ def check_picklable(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:
 
 
 def _drain(channel: Any) -> None:
-    with contextlib.suppress(queue.Empty, OSError, ValueError):
+    """Read and discard what a live worker has written so far."""
+    with contextlib.suppress(queue.Empty, OSError, ValueError, EOFError):
         while True:
-            channel.get_nowait()
+            channel.get(timeout=0.01)

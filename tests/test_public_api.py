@@ -34,7 +34,17 @@ PUBLIC = {
         "render_output",
         "truncate",
     },
-    "harness": {"__version__"},
+    "harness": {
+        "__version__",
+        "AsyncGRPOConfig",
+        "AsyncGRPOTrainer",
+        "AsyncRolloutLoop",
+        "GenerationClient",
+        "Rollout",
+        "RolloutGroup",
+        "TrainingSequence",
+        "TurnRecord",
+    },
     "environments": {
         "DuplicateEnvironment",
         "Environment",

@@ -1,0 +1,49 @@
+"""The weights a generation server needs from a (possibly LoRA-wrapped) policy, one tensor at a time.
+
+A server loads the base checkpoint's parameter names. For a plain model those are its own
+`named_parameters()`. For a PEFT model the adapter is merged on the fly: each LoRA-wrapped linear layer
+yields `W + scaling * B @ A` under the base layer's name, computed for that layer only, so the whole
+model never exists twice in memory. Adapter-only parameters and PEFT's name prefixes are not sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_PEFT_PREFIX = "base_model.model."
+
+
+@torch.no_grad()
+def merged_named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every base parameter, LoRA deltas merged in."""
+    if not hasattr(model, "peft_config"):
+        for name, parameter in model.named_parameters():
+            yield name, _full(parameter.detach())
+        return
+    lora_layers = {
+        f"{module_name}.base_layer.weight": module
+        for module_name, module in model.named_modules()
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer") and not module.merged
+    }
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name or "modules_to_save" in name:
+            continue
+        tensor = _full(parameter.detach())
+        layer = lora_layers.get(name)
+        if layer is not None and layer.active_adapters:
+            # merged for this layer only, just before it is sent
+            tensor = tensor + layer.get_delta_weight(layer.active_adapters[0]).to(tensor.dtype)
+        yield _checkpoint_name(name), tensor
+
+
+def _checkpoint_name(name: str) -> str:
+    name = name.removeprefix(_PEFT_PREFIX)
+    return name.replace(".base_layer.", ".")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP2 DTensor) parameter gathered; a plain one as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -1,0 +1,618 @@
+"""AsyncGRPOTrainer: asynchronous GRPO, with generation in a worker process and training here.
+
+    trainer = AsyncGRPOTrainer(model="path/to/model", reward_funcs=accuracy_reward, train_dataset=dataset)
+    trainer.train()
+
+What `train()` does, in order (the step itself is `_train_step`, readable in one place):
+
+    start the generation server (the configured URL, or the built-in server on the model)
+    start the rollout worker (a spawned process running `loop_cls`, see harness/rollout.py)
+    repeat until max_steps, or until num_train_epochs passes over the prompts are trained on:
+        pull group results until a step's rows are full, dropping samples more than max_staleness
+            versions old
+        plan the rows (harness/packing.py), forward each row with tree attention, take the loss on the
+            trained tokens (harness/loss.py), backward; one optimizer step
+        every weight_sync_steps: push the weights to the server, bump the policy version
+        raise the worker's token allowance; log; checkpoint (with rollout_state.json)
+    stop the worker (its environments and sandboxes close), then the server
+
+The trainer extends `transformers.Trainer` for what that does well (optimizer and scheduler creation,
+callbacks, report_to integrations, model saving); the training loop is its own. Several processes
+(`accelerate launch` / `torchrun`): rank 0 runs the worker and the server and feeds every rank its rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+from transformers.trainer_utils import TrainOutput
+
+from environments.routing import check_routes, resolve_environments
+from harness.attention import prepare_model_for_tree_attention
+from harness.config import AsyncGRPOConfig
+from harness.loss import LossConfig, fused_policy_loss
+from harness.metrics import MetricsWindow
+from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
+from harness.rollout import AsyncRolloutLoop
+from harness.types import GroupResult, TrainingSample
+from harness.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
+ROLLOUT_STATE_FILE = "rollout_state.json"
+
+
+class AsyncGRPOTrainer(Trainer):
+    """Asynchronous GRPO trainer (the reference's constructor; see the module docstring)."""
+
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset: Any = None,
+        processing_class: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Any = None,
+    ):
+        args = args or AsyncGRPOConfig(output_dir="async-grpo-output")
+        model_path = model if isinstance(model, str) else None
+        if isinstance(model, str):
+            init_kwargs = dict(_as_dict(args.model_init_kwargs))
+            init_kwargs.setdefault("dtype", _torch_dtype(args.dtype))
+            init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(
+                model_path or model.config._name_or_path, trust_remote_code=args.trust_remote_code
+            )
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        processing_class.padding_side = "left"
+        if peft_config is not None:
+            model = _apply_peft(model, peft_config)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        prepare_model_for_tree_attention(model)
+
+        if reward_funcs is None:
+            reward_funcs = []
+        elif callable(reward_funcs):
+            reward_funcs = [reward_funcs]
+        self.reward_funcs = list(reward_funcs)
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.environments = resolve_environments(environment_factory)
+        if train_dataset is None and not self.environments:
+            raise ValueError("train_dataset is required unless an environment_factory provides the prompts")
+        if train_dataset is None and args.max_steps <= 0:
+            raise ValueError("without a train_dataset the environment owns the data: set max_steps > 0")
+        if not self.reward_funcs and not any(e.reward_names for e in self.environments.values()):
+            raise ValueError("no reward: pass reward_funcs, or an environment that defines get_reward")
+        if train_dataset is not None and self.environments:
+            columns = getattr(train_dataset, "column_names", None) or []
+            values = train_dataset["environment"] if "environment" in columns else None
+            check_routes(columns, values, self.environments)
+        self.model_path = model_path
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+
+    # --- the run ----------------------------------------------------------------------------------------
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
+        """Run the whole loop (see the module docstring); returns the Trainer's TrainOutput."""
+        args: AsyncGRPOConfig = self.args
+        self._setup_run(resume_from_checkpoint)
+        with contextlib.ExitStack() as stack:
+            if self._is_main:
+                base_url = stack.enter_context(self._generation_server())
+                self._client = stack.enter_context(_ClientThread(base_url, args))
+                self._token_budget = args.token_budget or self._client.max_model_len()
+                self.worker = self._start_worker(base_url)
+                stack.callback(self.worker.stop)
+            self._token_budget = self._broadcast(getattr(self, "_token_budget", None))
+            self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+            losses = []
+            while not self._done():
+                step_metrics = self._train_step()
+                losses.append(step_metrics.get("loss", math.nan))
+                self.state.global_step += 1
+                self._after_step(step_metrics)
+            self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        mean_loss = float(sum(losses) / len(losses)) if losses else math.nan
+        return TrainOutput(self.state.global_step, mean_loss, {"train_loss": mean_loss})
+
+    def _setup_run(self, resume_from_checkpoint: str | bool | None) -> None:
+        args: AsyncGRPOConfig = self.args
+        self.create_optimizer_and_scheduler(num_training_steps=max(args.max_steps, 1))
+        self.loss_config = LossConfig(
+            score_centering=args.score_centering,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            vllm_importance_sampling_clip_min=args.vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max=args.vllm_importance_sampling_clip_max,
+        )
+        self.model_version = 0
+        self.trained_positions: set[int] = set()
+        self.trained_frontier = 0  # the first prompt position not yet trained on (or dropped)
+        self.pending: list[TrainingSample] = []
+        self.window = MetricsWindow()
+        self.tokens_consumed = 0
+        self.num_tokens_total = 0
+        self.last_step_tokens = 0
+        self._finished_worker = False
+        self.state.global_step = 0
+        self.state.max_steps = args.max_steps if args.max_steps > 0 else 0
+        self.pair_weight = pair_weight_for_config(self.model.config)
+        if resume_from_checkpoint:
+            self._resume(resume_from_checkpoint)
+
+    @property
+    def _is_main(self) -> bool:
+        return self.args.process_index == 0
+
+    # --- one training step ----------------------------------------------------------------------------
+
+    def _train_step(self) -> dict[str, float]:
+        """Pull samples, drop the stale, plan rows, forward/backward each, step, sync, and report."""
+        args: AsyncGRPOConfig = self.args
+        step_started = time.monotonic()
+        plan_rows = self._broadcast(self._plan_step() if self._is_main else None)
+        waited = time.monotonic() - step_started
+        self.model.train()
+        fwd_bwd_started = time.monotonic()
+        world = args.world_size
+        metrics = MetricsWindow()
+        for micro_batch in plan_rows["micro_batches"]:
+            samples = micro_batch[args.process_index]
+            row = pack_row(samples).to(self.args.device)
+            trained_global = sum(sum(s.sequence.num_trained for s in rank) for rank in micro_batch)
+            with self.compute_loss_context_manager():
+                hidden_T_H = _decoder_forward(self.model, row)
+                output = fused_policy_loss(
+                    hidden_T_H,
+                    row,
+                    _lm_head_weight(self.model),
+                    self.loss_config,
+                    num_trained_tokens_global=trained_global,
+                    gradient_accumulation_steps=len(plan_rows["micro_batches"]),
+                    temperature=args.temperature,
+                )
+            loss = output.loss * world  # DDP/FSDP average gradients over ranks; the spec sums them
+            self.accelerator.backward(loss)
+            metrics.add("loss", float(output.loss.detach()) * len(plan_rows["micro_batches"]))
+            for name, value in output.metrics.items():
+                metrics.add(name, float(value), weight=max(output.num_trained_tokens, 1))
+        fwd_bwd_s = time.monotonic() - fwd_bwd_started
+        optimizer_started = time.monotonic()
+        if args.max_grad_norm:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_s = time.monotonic() - optimizer_started
+        out = metrics.summary()
+        sync_s = 0.0
+        if (self.state.global_step + 1) % args.weight_sync_steps == 0:
+            sync_s = self._sync_weights()
+        step_s = time.monotonic() - step_started
+        forwarded, trained = plan_rows["forwarded_tokens"], plan_rows["trained_tokens"]
+        out.update(plan_rows["metrics"])
+        out.update(
+            {
+                "perf/step_s": step_s,
+                "perf/fwd_bwd_s": fwd_bwd_s,
+                "perf/optimizer_s": optimizer_s,
+                "perf/rollout_wait_s": waited,
+                "perf/weight_sync_s": sync_s,
+                "learning_rate": self.lr_scheduler.get_last_lr()[0],
+            }
+        )
+        self.window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
+        self.window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
+        self.window.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
+        self.num_tokens_total += forwarded
+        out["num_tokens"] = self.num_tokens_total
+        return out
+
+    def _plan_step(self) -> dict[str, Any]:
+        """Rank 0: gather enough fresh samples for one step and split them into rows for every rank."""
+        args: AsyncGRPOConfig = self.args
+        window = self.window
+        while True:
+            plan = plan_micro_batches(
+                self.pending,
+                num_rows=args.world_size,
+                token_budget=self._token_budget,
+                max_micro_batches=args.gradient_accumulation_steps,
+                pair_weight=self.pair_weight,
+            )
+            full = len(plan.micro_batches) >= args.gradient_accumulation_steps
+            if full or (self._finished_worker and plan.micro_batches):
+                break
+            if self._finished_worker:
+                raise RuntimeError("the rollout worker finished before a single step's samples were ready")
+            self._pull(timeout_s=1.0)
+        now = time.monotonic()
+        micro_batches = []
+        used: set[int] = set()
+        for micro_batch in plan.micro_batches:
+            ranks = []
+            for row in micro_batch.rows:
+                samples = [self.pending[i] for i in row.sample_indices]
+                used.update(row.sample_indices)
+                ranks.append(samples)
+            micro_batches.append(ranks)
+        stepped = [self.pending[i] for i in sorted(used)]
+        dropped = [self.pending[i] for i in plan.dropped_oversize]
+        used.update(plan.dropped_oversize)
+        self.pending = [sample for i, sample in enumerate(self.pending) if i not in used]
+        for sample in stepped:
+            window.add("sample/time_in_queue_s", now - sample.queued_at)
+            window.add("sample/staleness_mean", self.model_version - sample.model_version)
+            window.add("sample/staleness_max", self.model_version - sample.model_version)
+            window.add("sample/forwarded_tokens_mean", len(sample.sequence.input_ids))
+            window.add("sample/forwarded_tokens_max", len(sample.sequence.input_ids))
+            window.add("sample/trained_tokens_mean", sample.sequence.num_trained)
+        step_tokens = sum(len(sample.sequence.input_ids) for sample in stepped)
+        self.tokens_consumed += step_tokens + sum(len(sample.sequence.input_ids) for sample in dropped)
+        self.last_step_tokens = step_tokens
+        metrics = batch_metrics(plan)
+        forwarded = sum(row.num_tokens for mb in plan.micro_batches for row in mb.rows)
+        trained = sum(row.num_trained for mb in plan.micro_batches for row in mb.rows)
+        return {
+            "micro_batches": micro_batches,
+            "metrics": metrics,
+            "forwarded_tokens": forwarded,
+            "trained_tokens": trained,
+        }
+
+    def _pull(self, timeout_s: float) -> None:
+        """Take group results from the worker: keep fresh samples, drop the stale, track prompt positions."""
+        result = self.worker.get(timeout_s=timeout_s)
+        if result is None:
+            self._finished_worker = self.worker.finished
+            return
+        self._account(result)
+        fresh = []
+        for sample in result.samples:
+            if self.model_version - sample.model_version > self.args.max_staleness:
+                self.window.add("sample/dropped_stale_count", 1)
+                self.tokens_consumed += len(sample.sequence.input_ids)
+            else:
+                fresh.append(sample)
+        self.pending += fresh
+        self.window.add("rollout/queue_size", len(self.pending))
+
+    def _account(self, result: GroupResult) -> None:
+        """A prompt is done (trained on, dropped or filtered): advance the resume position."""
+        self.trained_positions.add(result.position)
+        while self.trained_frontier in self.trained_positions:
+            self.trained_positions.discard(self.trained_frontier)
+            self.trained_frontier += 1
+        self.prompts_done = getattr(self, "prompts_done", 0) + 1
+
+    # --- after a step ---------------------------------------------------------------------------------
+
+    def _after_step(self, step_metrics: dict[str, float]) -> None:
+        args: AsyncGRPOConfig = self.args
+        if self._is_main:
+            self.worker.check()
+            allowance = self.tokens_consumed + max(args.max_staleness, 1) * max(self.last_step_tokens, 1)
+            self.worker.set_token_allowance(allowance)
+            for state in self.worker.drain_metrics():
+                self.window.merge(state)
+        self.window.add_many(step_metrics)
+        dataset_size = len(self.train_dataset) if _sized(self.train_dataset) else 0
+        if dataset_size:
+            self.state.epoch = self.prompts_done / dataset_size
+        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        if self.state.global_step % max(int(args.logging_steps), 1) == 0:
+            # NaN means "nothing recorded this window" (e.g. fork_frac without multi-turn rollouts)
+            self.log({k: v for k, v in self.window.summary().items() if not math.isnan(v)})
+            self.window.reset()
+        if (
+            args.save_strategy == "steps"
+            and args.save_steps
+            and self.state.global_step % int(args.save_steps) == 0
+        ):
+            self.save_checkpoint()
+
+    def _done(self) -> bool:
+        args: AsyncGRPOConfig = self.args
+        if args.max_steps > 0:
+            return self.state.global_step >= args.max_steps
+        if not _sized(self.train_dataset):
+            return self._finished_worker and not self.pending
+        target = math.ceil(args.num_train_epochs * len(self.train_dataset))
+        done = getattr(self, "prompts_done", 0) >= target or (self._finished_worker and not self.pending)
+        return bool(self._broadcast(done))
+
+    # --- weight sync -----------------------------------------------------------------------------------
+
+    def _sync_weights(self) -> float:
+        """Push the current weights to the server and bump the policy version; returns the seconds."""
+        started = time.monotonic()
+        if self._is_main:
+            self._client.update_weights(_named_weights_for_server(self.model))
+        self.model_version += 1
+        if self._is_main:
+            self.worker.set_model_version(self.model_version)
+        return time.monotonic() - started
+
+    # --- processes --------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _generation_server(self) -> Iterator[str]:
+        from harness.server.launch import open_generation_server
+
+        args: AsyncGRPOConfig = self.args
+        url = args.vllm_server_base_url
+        if args.generation_server == "builtin" or (args.generation_server == "auto" and not _answers(url)):
+            url = None
+        with contextlib.ExitStack() as stack:
+            model_path = self.model_path
+            if url is None and (model_path is None or self.state.global_step or self.model_version):
+                model_path = stack.enter_context(self._saved_model_for_server())
+            yield stack.enter_context(
+                open_generation_server(
+                    url,
+                    model=model_path,
+                    device=args.builtin_server_device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                    max_model_len=args.builtin_server_max_model_len,
+                )
+            )
+
+    @contextlib.contextmanager
+    def _saved_model_for_server(self) -> Iterator[str]:
+        """The current weights in a temporary folder, for a built-in server to load."""
+        directory = tempfile.mkdtemp(prefix="agent-harness-model-")
+        try:
+            model = _merged_for_saving(self.model)
+            model.save_pretrained(directory)
+            self.processing_class.save_pretrained(directory)
+            yield directory
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _start_worker(self, base_url: str) -> RolloutWorker:
+        args: AsyncGRPOConfig = self.args
+        worker_args = _replace(args, vllm_server_base_url=base_url)
+        eos_ids = _eos_token_ids(self.processing_class, self.model)
+        rows_full = (
+            max(args.max_staleness, 1)
+            * self._token_budget
+            * args.world_size
+            * args.gradient_accumulation_steps
+        )
+        worker = RolloutWorker(
+            self.loop_cls,
+            {
+                "config": worker_args,
+                "model_name": self._client.model_id(),
+                "dataset": self.train_dataset,
+                "reward_funcs": self.reward_funcs,
+                "processing_class": self.processing_class,
+                "eos_token_ids": eos_ids,
+                "tools": self.tools,
+                "environment_factory": self.environment_factory,
+                "dataset_start_index": self.trained_frontier,
+            },
+            heartbeat_timeout_s=args.rollout_worker_timeout,
+            initial_token_allowance=self.tokens_consumed + rows_full,
+        )
+        worker.start()
+        worker.set_model_version(self.model_version)
+        return worker
+
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's value on every rank (rank 0 feeds the others their rows)."""
+        if self.args.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Model, optimizer and scheduler state, and rollout_state.json (where the prompts resume)."""
+        directory = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        if self._is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+        self.save_model(str(directory))
+        if self._is_main:
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.lr_scheduler.state_dict(), directory / "scheduler.pt")
+            state = {
+                "trained_position": self.trained_frontier,
+                "model_version": self.model_version,
+                "global_step": self.state.global_step,
+                "tokens_consumed": self.tokens_consumed,
+                "num_tokens": self.num_tokens_total,
+                "prompts_done": getattr(self, "prompts_done", 0),
+            }
+            (directory / ROLLOUT_STATE_FILE).write_text(json.dumps(state, indent=2))
+            self.state.save_to_json(str(directory / "trainer_state.json"))
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        return directory
+
+    def _resume(self, checkpoint: str | bool) -> None:
+        directory = (
+            Path(checkpoint) if isinstance(checkpoint, str) else _last_checkpoint(self.args.output_dir)
+        )
+        if directory is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.args.output_dir}")
+        state = json.loads((directory / ROLLOUT_STATE_FILE).read_text())
+        self._load_from_checkpoint(str(directory))
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+        self.trained_frontier = state["trained_position"]
+        self.model_version = state["model_version"]
+        self.state.global_step = state["global_step"]
+        self.tokens_consumed = state["tokens_consumed"]
+        self.num_tokens_total = state["num_tokens"]
+        self.prompts_done = state["prompts_done"]
+
+
+# --- helpers ----------------------------------------------------------------------------------------------
+
+
+class _ClientThread:
+    """A GenerationClient on a private event-loop thread, for the synchronous trainer."""
+
+    def __init__(self, base_url: str, args: AsyncGRPOConfig):
+        self.base_url = base_url
+        self.args = args
+
+    def __enter__(self) -> _ClientThread:
+        from anyio.from_thread import start_blocking_portal
+
+        from harness.client import GenerationClient
+
+        self._portal_cm = start_blocking_portal()
+        self.portal = self._portal_cm.__enter__()
+        self.client = self.portal.call(
+            lambda: GenerationClient(
+                self.base_url, timeout_s=self.args.vllm_server_timeout, max_concurrency=4
+            )
+        )
+        self.portal.call(self.client.wait_until_ready)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with contextlib.suppress(Exception):
+            self.portal.call(self.client.aclose)
+        self._portal_cm.__exit__(None, None, None)
+
+    def max_model_len(self) -> int:
+        info = self.portal.call(self.client.model_info)
+        return info.max_model_len or 4096
+
+    def model_id(self) -> str:
+        return self.portal.call(self.client.model_info).id
+
+    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.portal.call(self.client.update_weights, named_tensors)
+
+
+def _decoder_forward(model: Any, row: Any) -> torch.Tensor:
+    from harness.attention import packed_forward
+
+    return packed_forward(model, row)
+
+
+def _lm_head_weight(model: Any) -> torch.Tensor:
+    weight = model.get_output_embeddings().weight
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+
+
+def _named_weights_for_server(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's parameters under their checkpoint names, LoRA merged in, one at a time."""
+    from harness.peft_sync import merged_named_parameters
+
+    yield from merged_named_parameters(model)
+
+
+def _merged_for_saving(model: Any) -> Any:
+    if hasattr(model, "peft_config"):
+        import copy
+
+        return copy.deepcopy(model).merge_and_unload()
+    return model
+
+
+def _apply_peft(model: Any, peft_config: Any) -> Any:
+    from peft import get_peft_model
+
+    targets = peft_config.target_modules
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    modules = getattr(peft_config, "modules_to_save", None) or []
+    if any("lm_head" in name for name in [*names, *modules]):
+        raise ValueError(
+            "PEFT adapters on lm_head are not supported: the log-prob head reads the base output "
+            "embedding directly; remove lm_head from target_modules / modules_to_save"
+        )
+    return get_peft_model(model, peft_config)
+
+
+def _eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(model.config, "eos_token_id", None)
+    ids |= set(config_eos) if isinstance(config_eos, list) else {config_eos}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _replace(args: AsyncGRPOConfig, **changes: Any) -> AsyncGRPOConfig:
+    import copy
+
+    clone = copy.copy(args)
+    for key, value in changes.items():
+        setattr(clone, key, value)
+    return clone
+
+
+def _last_checkpoint(output_dir: str) -> Path | None:
+    checkpoints = sorted(Path(output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+    return checkpoints[-1] if checkpoints else None
+
+
+def _sized(dataset: Any) -> bool:
+    return dataset is not None and hasattr(dataset, "__len__")
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return json.loads(value)
+    return dict(value)
+
+
+def _torch_dtype(name: str) -> Any:
+    return name if name == "auto" else getattr(torch, name)
+
+
+__all__ = ["AsyncGRPOTrainer"]
