@@ -82,11 +82,24 @@ def logged(trainer) -> dict[str, float]:
 
 
 def assert_no_leftover_processes(trainer) -> None:
-    assert trainer.worker._process is None  # stopped and joined
-    import subprocess
+    """The worker is joined and no built-in server started by this process is still running."""
+    import os
 
-    children = subprocess.run(["pgrep", "-f", "harness.server"], capture_output=True, text=True).stdout
-    assert children.strip() == "", f"a built-in server survived: {children}"
+    assert trainer.worker._process is None  # stopped and joined
+    survivors = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        parent = int(stat[stat.rfind(")") + 2 :].split()[1])
+        state = stat[stat.rfind(")") + 2]
+        if parent == os.getpid() and "harness.server" in cmdline and state not in "ZX":
+            survivors.append(entry.name)
+    assert survivors == [], f"a built-in server started by this test survived: {survivors}"
 
 
 def test_reward_functions_sync_async_and_tools(tmp_path, tiny_model_dir):
