@@ -34,8 +34,10 @@ def merged_named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         tensor = _full(parameter.detach())
         layer = lora_layers.get(name)
         if layer is not None and layer.active_adapters:
-            # merged for this layer only, just before it is sent
-            tensor = tensor + layer.get_delta_weight(layer.active_adapters[0]).to(tensor.dtype)
+            # merged for this layer only, just before it is sent (under FSDP2 the delta is computed from the
+            # sharded adapter and gathered like the weight)
+            delta = _full(layer.get_delta_weight(layer.active_adapters[0]))
+            tensor = tensor + delta.to(tensor.dtype)
         yield _checkpoint_name(name), tensor
 
 

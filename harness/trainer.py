@@ -3,7 +3,7 @@
     trainer = AsyncGRPOTrainer(model="path/to/model", reward_funcs=accuracy_reward, train_dataset=dataset)
     trainer.train()
 
-What `train()` does, in order (the step itself is `_train_step`, readable in one place):
+What `train()` does, in order (the step itself is `_train_step` with `_train_on_plan`, readable in one place):
 
     start the generation server (the configured URL, or the built-in server on the model)
     start the rollout worker (a spawned process running `loop_cls`, see harness/rollout.py)
@@ -18,7 +18,9 @@ What `train()` does, in order (the step itself is `_train_step`, readable in one
 
 The trainer extends `transformers.Trainer` for what that does well (optimizer and scheduler creation,
 callbacks, report_to integrations, model saving); the training loop is its own. Several processes
-(`accelerate launch` / `torchrun`): rank 0 runs the worker and the server and feeds every rank its rows.
+(`accelerate launch` / `torchrun`): rank 0 runs the worker and the server and feeds every rank its rows;
+the policy is sharded over the processes with FSDP2 (harness/fsdp.py), whose reduce-scatter sums the rows'
+gradients; the weight sync gathers one full parameter at a time for rank 0 to send.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ class AsyncGRPOTrainer(Trainer):
 
     def _setup_run(self, resume_from_checkpoint: str | bool | None) -> None:
         args: AsyncGRPOConfig = self.args
+        if args.world_size > 1:
+            self._shard_model()
         self.create_optimizer_and_scheduler(num_training_steps=max(args.max_steps, 1))
         self.loss_config = LossConfig(
             score_centering=args.score_centering,
@@ -178,6 +182,40 @@ class AsyncGRPOTrainer(Trainer):
     def _is_main(self) -> bool:
         return self.args.process_index == 0
 
+    def _shard_model(self) -> None:
+        """Several processes: shard the policy with FSDP2 (harness/fsdp.py), before the optimizer exists.
+
+        An accelerate FSDP config chooses the settings (it must be `fsdp_version: 2`); without one, FSDP2 with
+        the config's precision (bf16/fp16: float32 master weights, compute in the half type).
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from harness.fsdp import is_sharded, mixed_precision_policy, shard_model
+
+        if is_sharded(self.model):
+            return
+        if self.optimizer is not None:
+            raise ValueError(
+                "with several processes the trainer shards the model with FSDP2 and creates the optimizer "
+                "afterwards: pass optimizers=(None, None)"
+            )
+        args: AsyncGRPOConfig = self.args
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        settings: dict[str, Any] = {"mp_policy": mixed_precision_policy(args.bf16, args.fp16)}
+        if plugin is not None:
+            if getattr(plugin, "fsdp_version", 1) != 2:
+                raise ValueError("sharded training uses FSDP2: set fsdp_version: 2 in the FSDP config")
+            if plugin.mixed_precision_policy is not None:
+                settings["mp_policy"] = plugin.mixed_precision_policy
+            settings["reshard_after_forward"] = bool(plugin.reshard_after_forward)
+            if not isinstance(plugin.cpu_offload, bool):
+                settings["offload_policy"] = plugin.cpu_offload
+        # the mesh on the trainer's device type: FSDP2's default mesh is CUDA's whenever a GPU is visible,
+        # also for a CPU run (use_cpu=True)
+        device = torch.device(self.args.device)
+        self.model.to(device)
+        shard_model(self.model, mesh=init_device_mesh(device.type, (args.world_size,)), **settings)
+
     # --- one training step ----------------------------------------------------------------------------
 
     def _train_step(self) -> dict[str, float]:
@@ -186,39 +224,7 @@ class AsyncGRPOTrainer(Trainer):
         step_started = time.monotonic()
         plan_rows = self._broadcast(self._plan_step() if self._is_main else None)
         waited = time.monotonic() - step_started
-        self.model.train()
-        fwd_bwd_started = time.monotonic()
-        world = args.world_size
-        metrics = MetricsWindow()
-        for micro_batch in plan_rows["micro_batches"]:
-            samples = micro_batch[args.process_index]
-            row = pack_row(samples).to(self.args.device)
-            trained_global = sum(sum(s.sequence.num_trained for s in rank) for rank in micro_batch)
-            with self.compute_loss_context_manager():
-                hidden_T_H = _decoder_forward(self.model, row)
-                output = fused_policy_loss(
-                    hidden_T_H,
-                    row,
-                    _lm_head_weight(self.model),
-                    self.loss_config,
-                    num_trained_tokens_global=trained_global,
-                    gradient_accumulation_steps=len(plan_rows["micro_batches"]),
-                    temperature=args.temperature,
-                )
-            loss = output.loss * world  # DDP/FSDP average gradients over ranks; the spec sums them
-            self.accelerator.backward(loss)
-            metrics.add("loss", float(output.loss.detach()) * len(plan_rows["micro_batches"]))
-            for name, value in output.metrics.items():
-                metrics.add(name, float(value), weight=max(output.num_trained_tokens, 1))
-        fwd_bwd_s = time.monotonic() - fwd_bwd_started
-        optimizer_started = time.monotonic()
-        if args.max_grad_norm:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        optimizer_s = time.monotonic() - optimizer_started
-        out = metrics.summary()
+        out = self._train_on_plan(plan_rows)
         sync_s = 0.0
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
             sync_s = self._sync_weights()
@@ -228,19 +234,82 @@ class AsyncGRPOTrainer(Trainer):
         out.update(
             {
                 "perf/step_s": step_s,
-                "perf/fwd_bwd_s": fwd_bwd_s,
-                "perf/optimizer_s": optimizer_s,
                 "perf/rollout_wait_s": waited,
                 "perf/weight_sync_s": sync_s,
                 "learning_rate": self.lr_scheduler.get_last_lr()[0],
             }
         )
-        self.window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
+        self.window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, out["perf/fwd_bwd_s"])
         self.window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
         self.window.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
         self.num_tokens_total += forwarded
         out["num_tokens"] = self.num_tokens_total
         return out
+
+    def _train_on_plan(self, plan_rows: dict[str, Any]) -> dict[str, float]:
+        """Forward/backward this process's rows of every micro-batch of a planned step, then step.
+
+        `plan_rows["micro_batches"]` holds, per micro-batch, the rows of all processes (rank 0 planned
+        them; `_plan_step`). A process trains rows `process_index, process_index + world_size, ...`: one
+        row each in a real step, every row when one process is given a plan made for several. Each row's
+        loss is normalised by the trained tokens of its whole micro-batch, over all rows, and by the number
+        of micro-batches, so the gradients summed over rows, processes and micro-batches are the reference's
+        mean, however the rows are spread over processes. Returns the step's loss (that sum, the same on
+        every process) and the metrics of all rows.
+        """
+        args: AsyncGRPOConfig = self.args
+        world, rank = args.world_size, args.process_index
+        micro_batches = plan_rows["micro_batches"]
+        self.model.train()
+        fwd_bwd_started = time.monotonic()
+        metrics = MetricsWindow()
+        step_loss = torch.zeros((), dtype=torch.float64)
+        for micro_batch in micro_batches:
+            trained_global = sum(sum(s.sequence.num_trained for s in row) for row in micro_batch)
+            for samples in micro_batch[rank::world]:
+                row = pack_row(samples).to(self.args.device)
+                with self.compute_loss_context_manager():
+                    hidden_T_H = _decoder_forward(self.model, row)
+                    output = fused_policy_loss(
+                        hidden_T_H,
+                        row,
+                        _lm_head_weight(self.model),
+                        self.loss_config,
+                        num_trained_tokens_global=trained_global,
+                        gradient_accumulation_steps=len(micro_batches),
+                        temperature=args.temperature,
+                    )
+                # FSDP2 averages gradients over the processes; the normalisation above needs their sum
+                self.accelerator.backward(output.loss * world)
+                step_loss += output.loss.detach().double().cpu()
+                for name, value in output.metrics.items():
+                    metrics.add(name, float(value), weight=max(output.num_trained_tokens, 1))
+        fwd_bwd_s = time.monotonic() - fwd_bwd_started
+        optimizer_started = time.monotonic()
+        if args.max_grad_norm:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_s = time.monotonic() - optimizer_started
+        if world > 1:
+            step_loss, metrics = self._reduce_step_metrics(step_loss, metrics)
+        out = metrics.summary()
+        out.update({"loss": float(step_loss), "perf/fwd_bwd_s": fwd_bwd_s, "perf/optimizer_s": optimizer_s})
+        return out
+
+    def _reduce_step_metrics(
+        self, step_loss: torch.Tensor, metrics: MetricsWindow
+    ) -> tuple[torch.Tensor, MetricsWindow]:
+        """Every process's rows: the loss summed, the row metrics merged (one object all-gather)."""
+        import torch.distributed as dist
+
+        states: list[Any] = [None] * self.args.world_size
+        dist.all_gather_object(states, (float(step_loss), metrics.state()))
+        merged = MetricsWindow()
+        for _, state in states:
+            merged.merge(state)
+        return torch.tensor(math.fsum(loss for loss, _ in states), dtype=torch.float64), merged
 
     def _plan_step(self) -> dict[str, Any]:
         """Rank 0: gather enough fresh samples for one step and split them into rows for every rank."""
@@ -350,7 +419,7 @@ class AsyncGRPOTrainer(Trainer):
         if args.max_steps > 0:
             return self.state.global_step >= args.max_steps
         if not _sized(self.train_dataset):
-            return self._finished_worker and not self.pending
+            return bool(self._broadcast(self._finished_worker and not self.pending))  # rank 0 knows
         target = math.ceil(args.num_train_epochs * len(self.train_dataset))
         done = getattr(self, "prompts_done", 0) >= target or (self._finished_worker and not self.pending)
         return bool(self._broadcast(done))
@@ -360,8 +429,14 @@ class AsyncGRPOTrainer(Trainer):
     def _sync_weights(self) -> float:
         """Push the current weights to the server and bump the policy version; returns the seconds."""
         started = time.monotonic()
+        # Under FSDP2 each parameter is all-gathered in turn (a collective every process joins, in the same
+        # order), so only one full parameter exists at a time; rank 0 sends it, the others drop it.
+        weights = _named_weights_for_server(self.model)
         if self._is_main:
-            self._client.update_weights(_named_weights_for_server(self.model))
+            self._client.update_weights(weights)
+        else:
+            for _ in weights:
+                pass
         self.model_version += 1
         if self._is_main:
             self.worker.set_model_version(self.model_version)
@@ -449,9 +524,21 @@ class AsyncGRPOTrainer(Trainer):
         directory = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
         if self._is_main:
             directory.mkdir(parents=True, exist_ok=True)
-        self.save_model(str(directory))
+        if self._sharded:
+            # FSDP2: every process helps gather the full state dicts, rank 0 writes the usual files
+            from harness.fsdp import full_state_dicts
+
+            model_state, optimizer_state = full_state_dicts(self.model, self.optimizer)
+            if self._is_main:
+                self.model.save_pretrained(str(directory), state_dict=model_state)
+                self.processing_class.save_pretrained(str(directory))
+                torch.save(self.args, directory / "training_args.bin")
+            del model_state
+        else:
+            self.save_model(str(directory))
+            optimizer_state = self.optimizer.state_dict()
         if self._is_main:
-            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(optimizer_state, directory / "optimizer.pt")
             torch.save(self.lr_scheduler.state_dict(), directory / "scheduler.pt")
             state = {
                 "trained_position": self.trained_frontier,
@@ -463,6 +550,8 @@ class AsyncGRPOTrainer(Trainer):
             }
             (directory / ROLLOUT_STATE_FILE).write_text(json.dumps(state, indent=2))
             self.state.save_to_json(str(directory / "trainer_state.json"))
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()  # the checkpoint is whole before any process goes on
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return directory
 
@@ -473,8 +562,11 @@ class AsyncGRPOTrainer(Trainer):
         if directory is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.args.output_dir}")
         state = json.loads((directory / ROLLOUT_STATE_FILE).read_text())
-        self._load_from_checkpoint(str(directory))
-        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+        if self._sharded:
+            self._load_sharded_checkpoint(directory)
+        else:
+            self._load_from_checkpoint(str(directory))
+            self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
         self.trained_frontier = state["trained_position"]
         self.model_version = state["model_version"]
@@ -482,6 +574,29 @@ class AsyncGRPOTrainer(Trainer):
         self.tokens_consumed = state["tokens_consumed"]
         self.num_tokens_total = state["num_tokens"]
         self.prompts_done = state["prompts_done"]
+
+    @property
+    def _sharded(self) -> bool:
+        from harness.fsdp import is_sharded
+
+        return self.args.world_size > 1 and is_sharded(self.model)
+
+    def _load_sharded_checkpoint(self, directory: Path) -> None:
+        """FSDP2: rank 0 reads the checkpoint's full weights and optimizer state, every process its shard."""
+        from harness.fsdp import load_full_state_dicts
+
+        if hasattr(self.model, "peft_config"):
+            raise NotImplementedError("resuming a PEFT model under FSDP2 is not supported yet")
+        model_state: dict[str, Any] = {}
+        optimizer_state: dict[str, Any] = {}
+        if self._is_main:
+            # from_pretrained, not the raw files: it undoes whatever weight renaming the model's saving did
+            dtype = next(iter(self.model.parameters())).dtype
+            saved = type(self.model).from_pretrained(str(directory), dtype=dtype)
+            model_state = saved.state_dict()
+            del saved
+            optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
+        load_full_state_dicts(self.model, self.optimizer, model_state, optimizer_state)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
@@ -532,8 +647,20 @@ def _decoder_forward(model: Any, row: Any) -> torch.Tensor:
 
 
 def _lm_head_weight(model: Any) -> torch.Tensor:
+    """The LM head's weight for the log-prob head, read after the decoder's forward.
+
+    Under FSDP2 (harness/fsdp.py) the head shares a group with the final norm that stays unsharded from the
+    norm's forward until its post-backward, so this is the plain gathered parameter, and FSDP reduces the
+    gradient the loss gives it. A still-sharded weight here means another layout, whose head gradient would
+    not be reduced over the processes: refuse it rather than train unsynchronised heads.
+    """
     weight = model.get_output_embeddings().weight
-    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    if hasattr(weight, "full_tensor"):
+        raise RuntimeError(
+            "lm_head.weight is still sharded after the decoder's forward: shard the model with "
+            "harness.fsdp.shard_model (the head in the final norm's group, kept unsharded until backward)"
+        )
+    return weight
 
 
 def _named_weights_for_server(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
