@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--steps", type=int, default=5, help="optimizer steps to take (default: 5)")
     smoke.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
 
+    commands.add_parser(
+        "demo",
+        help="the README's demo: SmolLM2-135M learns to call a calculator, on CPU (about 15 minutes)",
+        add_help=False,  # `harness demo --help` shows the demo's own options (harness/demo.py)
+    )
+
     tools = commands.add_parser("tools", help="inspect tools")
     tools_commands = tools.add_subparsers(dest="tools_command", metavar="SUBCOMMAND", required=True)
     schema = tools_commands.add_parser(
@@ -44,6 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the OpenAI-style function schema of each callable, as a chat template gets it.",
     )
     schema.add_argument("targets", nargs="+", metavar="MODULE:NAME", help="e.g. mypkg.tools:search")
+
+    train = commands.add_parser(
+        "train",
+        help="train from a TOML run spec (model, data, rewards, environments, [args])",
+        description=(
+            "Train with AsyncGRPOTrainer as a TOML run spec describes it (harness/train_config.py documents "
+            "the keys). The resolved spec is written to output_dir/run_config.toml (or .json) and the "
+            "logged metrics to output_dir/metrics.jsonl."
+        ),
+    )
+    train.add_argument("config", metavar="CONFIG.toml", help="the run spec (.toml, or a resolved .json)")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, the value read as a TOML literal (repeatable): --set args.learning_rate=1e-5",
+    )
+    train.add_argument(
+        "--dry-run", action="store_true", help="resolve and print the spec; load no model, train nothing"
+    )
 
     _add_sandbox_commands(commands)
     add_serve_command(commands)
@@ -122,6 +150,11 @@ def _add_envs_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options
+        from harness.demo import main as run_demo
+
+        return run_demo(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -135,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from harness.smoke import run_smoke
 
         return run_smoke(steps=args.steps, seed=args.seed)
+    if args.command == "train":
+        return _train(args)
     if args.command == "tools":
         return _tools_schema(args.targets)
     if args.command == "envs":
@@ -144,6 +179,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "sandbox":
         return _sandbox_build_image(args)
     parser.print_help()
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+
+    from harness.train_config import TrainConfigError, run
+
+    try:
+        result = run(args.config, args.overrides, dry_run=args.dry_run)
+    except TrainConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(json.dumps(result, indent=2))
     return 0
 
 
