@@ -103,8 +103,12 @@ class FailureBreaker:
     window: int
     max_frac: float
     _recent: deque[tuple[bool, str]] = field(default_factory=deque)
+    tripped: bool = False
 
     def record(self, failed: bool, error_type: str = "") -> None:
+        """Count one finished rollout; raises RolloutFailureRate once, when the rate first passes."""
+        if self.tripped:  # rollouts finishing while the run unwinds must not raise the same error again
+            return
         self._recent.append((failed, error_type))
         if len(self._recent) > self.window:
             self._recent.popleft()
@@ -115,6 +119,7 @@ class FailureBreaker:
                 for kind in failures:
                     by_type[kind] = by_type.get(kind, 0) + 1
                 detail = ", ".join(f"{kind} x{count}" for kind, count in sorted(by_type.items()))
+                self.tripped = True
                 raise RolloutFailureRate(
                     f"{len(failures)} of the last {self.window} rollouts failed ({detail}); stopping instead "
                     "of training on what is left. Fix the cause (the errors above), or raise "

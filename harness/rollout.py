@@ -57,7 +57,7 @@ from harness.scoring import (
     sum_rewards,
 )
 from harness.types import GroupResult, Rollout, RolloutGroup, TrainingSample, TurnRecord
-from sandboxes.errors import SandboxError
+from sandboxes.errors import INFRASTRUCTURE_ERRORS, SandboxError
 from sandboxes.pool import SandboxPool
 from tools import ToolExecutor, ToolResult, Toolset, ToolStatus
 
@@ -285,7 +285,7 @@ class AsyncRolloutLoop:
                 timeout_s=config.tool_timeout_s,
                 max_output_chars=config.tool_max_output_chars,
                 parallel=config.parallel_tool_calls,
-                infrastructure_errors=(SandboxError,),
+                infrastructure_errors=INFRASTRUCTURE_ERRORS,
             )
         )
         self.thread_limiter = anyio.CapacityLimiter(config.max_concurrent_rollouts)
@@ -438,7 +438,7 @@ class AsyncRolloutLoop:
                 rollout = _failed("EpisodeTimeout", str(exc) or "the episode ran past episode_timeout_s")
             except Exception as exc:  # environment code or a custom generate_one: data, not a crash
                 log.warning("rollout failed: %s: %s", type(exc).__name__, exc, exc_info=True)
-                rollout = _failed(type(exc).__name__, str(exc))
+                rollout = _failed(type(exc).__name__, str(exc), logged=True)
             finally:
                 self.in_flight -= 1
                 self.cap.rollout_finished()
@@ -550,7 +550,6 @@ class AsyncRolloutLoop:
             has_tools=bool(self.tools or self.environments),
             per_environment=len(self.environments) > 1,
         )
-        self.window.add("rollout/samples_per_rollout", len(samples) / max(size, 1))
         num_tokens = sum(len(sample.sequence.input_ids) for sample in samples)
         return GroupResult(position, group.row_index, samples, num_tokens)
 
@@ -662,7 +661,10 @@ def _tool_message(result: ToolResult) -> dict[str, Any]:
     return message
 
 
-def _failed(error_type: str, message: str) -> Rollout:
+def _failed(error_type: str, message: str, *, logged: bool = False) -> Rollout:
+    """A rollout the infrastructure failed; the failure is logged (once) as well as counted."""
+    if not logged:
+        log.warning("rollout failed (%s): %s", error_type, message[:500])
     return Rollout(
         completion=[],
         completion_ids=[],

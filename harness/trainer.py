@@ -225,9 +225,8 @@ class AsyncGRPOTrainer(Trainer):
         plan_rows = self._broadcast(self._plan_step() if self._is_main else None)
         waited = time.monotonic() - step_started
         out = self._train_on_plan(plan_rows)
-        sync_s = 0.0
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
-            sync_s = self._sync_weights()
+            out["perf/weight_sync_s"] = self._sync_weights()  # only steps that synced: no zeros averaged in
         step_s = time.monotonic() - step_started
         forwarded, trained = plan_rows["forwarded_tokens"], plan_rows["trained_tokens"]
         out.update(plan_rows["metrics"])
@@ -235,7 +234,6 @@ class AsyncGRPOTrainer(Trainer):
             {
                 "perf/step_s": step_s,
                 "perf/rollout_wait_s": waited,
-                "perf/weight_sync_s": sync_s,
                 "learning_rate": self.lr_scheduler.get_last_lr()[0],
             }
         )

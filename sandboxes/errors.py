@@ -47,3 +47,15 @@ class SandboxFileError(SandboxError, OSError):
 
 class SandboxFileNotFound(SandboxFileError, FileNotFoundError):
     """The path does not exist inside the sandbox."""
+
+
+# What a tool call raising means the infrastructure failed (the rollout is typed failed, kept out of the
+# group's statistics); a `SandboxFileError` is the model's own mistake (a path that does not exist, a file
+# it may not write) and is shown to it as the tool's error instead.
+INFRASTRUCTURE_ERRORS: tuple[type[SandboxError], ...] = (
+    InvalidSandboxConfig,
+    SandboxStartError,
+    SandboxDied,
+    SandboxTimeout,
+    SandboxClosed,
+)

@@ -88,6 +88,15 @@ def explode(reason: str) -> str:
     raise ValueError(f"boom: {reason}")
 
 
+def read_missing(path: str) -> str:
+    """Read a file of the sandbox (this one never exists).
+
+    Args:
+        path: The file.
+    """
+    raise sandbox_errors.SandboxFileNotFound(f"no such file in the sandbox: {path}")
+
+
 def hang() -> str:
     """Never answer (until the test releases it, HANG_S at most)."""
     _release_hung_tools.wait(HANG_S)
@@ -150,6 +159,30 @@ async def test_a_raising_tool_becomes_a_tool_error_message_and_the_rollout_carri
     assert summary["tools/error_count"] == 4
     assert summary["tools/failure_frequency"] == 1.0
     assert summary["rollout/failed_count"] == 0
+
+
+async def test_a_missing_sandbox_file_is_the_models_error_not_an_infrastructure_failure(tmp_path):
+    """Reading a path that does not exist is a mistake the policy should learn from: the rollout goes on
+    with the error as the tool's answer, and nothing is counted as a failed rollout."""
+
+    def script(prompt: str, call: int) -> str:
+        if "<tool_response>" not in prompt:
+            return tool_call("read_missing", {"path": "notes.txt"})
+        return "no notes then"
+
+    loop = make_loop(
+        script,
+        dataset=prompt_rows("a"),
+        tools=[read_missing],
+        tmp_path=tmp_path,
+        num_generations=2,
+        **ONE_PASS,
+    )
+    await run_groups(loop, 1)
+    summary = metrics(loop)
+    assert summary["rollout/failed_count"] == 0
+    assert summary["tools/read_missing/failure_count"] == 2
+    assert summary["tools/error_count"] == 2
 
 
 @pytest.mark.parametrize("hanging_tool", [hang, hang_async], ids=["sync", "async"])

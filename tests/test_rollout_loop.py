@@ -313,3 +313,17 @@ def test_token_gate_one_group_until_the_first_finishes_then_the_allowance():
     assert gate.may_start(40, 100)  # 40 queued + 40 in flight < 100
     gate.group_started()
     assert not gate.may_start(40, 100)  # 40 + 80 >= 100
+
+
+def test_failure_breaker_trips_once_past_the_rate_and_names_the_types():
+    from harness.pacing import FailureBreaker, RolloutFailureRate
+
+    breaker = FailureBreaker(window=4, max_frac=0.5)
+    for failed, kind in [(False, ""), (True, "SandboxDied"), (True, "SandboxDied")]:
+        breaker.record(failed, kind)  # window not full yet
+    breaker.record(False)  # 2 of 4: not more than half
+    with pytest.raises(
+        RolloutFailureRate, match=r"3 of the last 4 rollouts failed \(GenerationError x1, Sandbox"
+    ):
+        breaker.record(True, "GenerationError")
+    breaker.record(True, "GenerationError")  # rollouts still finishing while the run unwinds: no second raise
