@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "harness_tree"
+FLEX_BLOCK_SIZE = 128  # flex_attention's default block size; flex rows are padded to a multiple of it
 
 Backend = Literal["auto", "flex", "sdpa"]
 
@@ -135,13 +136,27 @@ class TreeMask:
             self._cache[key] = allowed
         return self._cache[key]
 
+    @property
+    def padded_tokens(self) -> int:
+        """The row length rounded up to flex_attention's block size (128): the compiled backward of
+        torch 2.11 fails on some shorter lengths, and fewer distinct lengths mean fewer recompilations."""
+        return -(-self.num_tokens // FLEX_BLOCK_SIZE) * FLEX_BLOCK_SIZE
+
     def block_mask(self, sliding_window: int | None = None) -> Any:
-        """flex_attention BlockMask of the same relation (built on the tensors' device)."""
+        """flex_attention BlockMask of the same relation over `padded_tokens` (built on the tensors' device).
+
+        Each padding token is a root of its own whose subtree is itself: it attends only to itself, and no
+        real token attends to it.
+        """
         key = ("block", sliding_window)
         if key not in self._cache:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            subtree_end, depth = self.subtree_end, self.position_ids
+            t, padded = self.num_tokens, self.padded_tokens
+            device = self.position_ids.device
+            pad = torch.arange(t + 1, padded + 1, device=device, dtype=self.subtree_end.dtype)
+            subtree_end = torch.cat([self.subtree_end, pad])
+            depth = torch.cat([self.position_ids, self.position_ids.new_zeros(padded - t)])
 
             def on_path(batch: Any, head: Any, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
                 return (kv <= q) & (q < subtree_end[kv])
@@ -150,9 +165,8 @@ class TreeMask:
                 return (kv <= q) & (q < subtree_end[kv]) & (depth[q] - depth[kv] < sliding_window)
 
             mask_mod = on_path if sliding_window is None else on_path_in_window
-            t = self.num_tokens
             self._cache[key] = create_block_mask(
-                mask_mod, None, None, t, t, device=self.position_ids.device, _compile=True
+                mask_mod, None, None, padded, padded, device=device, _compile=True
             )
         return self._cache[key]
 
@@ -222,9 +236,11 @@ def tree_attention_forward(
         )
     gqa = query.shape[1] != key.shape[1]
     if tree_mask.backend == "flex":
+        t, extra = tree_mask.num_tokens, tree_mask.padded_tokens - tree_mask.num_tokens
+        query, key, value = (F.pad(x, (0, 0, 0, extra)) for x in (query, key, value))
         output = _compiled_flex_attention()(
             query, key, value, block_mask=tree_mask.block_mask(sliding_window), scale=scaling, enable_gqa=gqa
-        )
+        )[:, :, :t]
     else:
         mask = tree_mask.dense_mask(sliding_window)[None, None]
         output = F.scaled_dot_product_attention(
