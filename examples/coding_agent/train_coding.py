@@ -52,6 +52,12 @@ def main() -> None:
         default="docker",
         help='"auto": the bundled environment, Docker when it answers, else bubblewrap (no Docker needed)',
     )
+    parser.add_argument(
+        "--spread-reward",
+        action="store_true",
+        help="add examples/tiny.py's spread reward (always on for the tiny model): a random model's groups "
+        "otherwise all score 0 and are dropped, so no step would ever fill",
+    )
     cli = parser.parse_args()
 
     tiny = cli.model is None
@@ -71,7 +77,7 @@ def main() -> None:
     )
     trainer = AsyncGRPOTrainer(
         model=cli.model or save_tiny_model(),
-        reward_funcs=[spread_reward] if tiny else None,  # otherwise the hidden tests alone
+        reward_funcs=[spread_reward] if tiny or cli.spread_reward else None,  # else the hidden tests alone
         args=args,
         train_dataset=CodingEnv.dataset(repeats=4),
         environment_factory=DockerCodingEnv if cli.sandbox_backend == "docker" else CodingEnv,
