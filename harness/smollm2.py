@@ -64,6 +64,8 @@ def smollm2_model_dir(cache_dir: str | Path | None = None) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     config = loaded.config
     config.dtype = torch.float32
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights saved are float32; a GGUF note would block saving
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
