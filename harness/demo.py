@@ -41,18 +41,14 @@ from typing import Any
 from transformers.trainer_callback import ProgressCallback
 
 from environments.arithmetic import make_problem
+from harness.testing.tiny_tokenizer import TINY_CHAT_TEMPLATE
 from tools.calculator import calculator, format_number
 
-# Qwen2.5-style ChatML with tool calls, but with tools listed one line each instead of as JSON schemas:
-# a 135M model reads the short form as well after the warm-up, and every prompt token costs CPU time.
-# Tool responses are closed lazily (when the next message comes), which keeps rendering prefix-preserving.
-DEMO_CHAT_TEMPLATE = r"""
-{%- macro render_content(content) -%}
-    {%- if content is none or content is undefined -%}
-    {%- elif content is string -%}{{- content -}}
-    {%- else -%}{{- content | tojson -}}
-    {%- endif -%}
-{%- endmacro -%}
+# The test tokenizer's ChatML template with Qwen-style tool calls (prefix-preserving: tool responses are
+# closed lazily, when the next message comes), with one change: tools are listed one line each instead of
+# as JSON schemas. A 135M model reads the short form as well after the warm-up, and every prompt token
+# costs CPU time.
+_COMPACT_TOOLS_MACRO = r"""
 {%- macro render_tools_system(system_content) -%}
     {{- '<|im_start|>system\n' + system_content + '\n\nTools:' -}}
     {%- for tool in tools -%}
@@ -63,48 +59,14 @@ DEMO_CHAT_TEMPLATE = r"""
     {{- '\nTo call a tool, answer <tool_call>\n{"name": <tool-name>, "arguments": <args-json-object>}\n' -}}
     {{- '</tool_call><|im_end|>\n' -}}
 {%- endmacro -%}
-{%- macro render_tool_call(tool_call) -%}
-    {%- set fn = tool_call.function if tool_call.function is defined else tool_call -%}
-    {{- '<tool_call>\n{"name": ' + (fn.name | tojson) + ', "arguments": ' -}}
-    {%- if fn.arguments is string -%}{{- fn.arguments -}}
-    {%- elif fn.arguments is none or fn.arguments is undefined -%}{{- '{}' -}}
-    {%- else -%}{{- fn.arguments | tojson -}}
-    {%- endif -%}
-    {{- '}\n</tool_call>' -}}
-{%- endmacro -%}
-{%- for message in messages -%}
-    {%- set previous_role = none if loop.first else messages[loop.index0 - 1].role -%}
-    {%- if previous_role == 'tool' and message.role != 'tool' -%}
-        {{- '<|im_end|>\n' -}}
-    {%- endif -%}
-    {%- if loop.first and tools -%}
-        {%- if message.role == 'system' -%}
-            {{- render_tools_system(render_content(message.content)) -}}
-        {%- else -%}
-            {{- render_tools_system('You are a helpful assistant.') -}}
-        {%- endif -%}
-    {%- endif -%}
-    {%- if loop.first and tools and message.role == 'system' -%}
-    {%- elif message.role == 'assistant' -%}
-        {%- set content = render_content(message.content) -%}
-        {{- '<|im_start|>assistant\n' + content -}}
-        {%- for tool_call in message.tool_calls or [] -%}
-            {%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}
-            {{- render_tool_call(tool_call) -}}
-        {%- endfor -%}
-        {{- '<|im_end|>\n' -}}
-    {%- elif message.role == 'tool' -%}
-        {%- if previous_role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
-        {{- '\n<tool_response>\n' + render_content(message.content) + '\n</tool_response>' -}}
-    {%- else -%}
-        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' -}}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {%- if messages and messages[-1].role == 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
 """.strip()
+DEMO_CHAT_TEMPLATE = re.sub(
+    r"\{%- macro render_tools_system.*?\{%- endmacro -%\}",
+    lambda _: _COMPACT_TOOLS_MACRO,
+    TINY_CHAT_TEMPLATE,
+    count=1,
+    flags=re.DOTALL,
+)
 
 TOOL_BONUS = 0.2
 NUM_OPERANDS = 3
