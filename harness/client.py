@@ -549,6 +549,27 @@ class GenerationClient:
             path.unlink(missing_ok=True)
         await self.resume()
 
+    async def server_info(self) -> dict[str, Any]:
+        """GET /server_info?config_format=json (vLLM dev mode); {} when the server has no such route."""
+        try:
+            info = await self._json("get", "/server_info", params={"config_format": "json"})
+        except ServerRequestError as exc:
+            if exc.status == 404:
+                return {}
+            raise
+        return info if isinstance(info, dict) else {}
+
+    async def start_weight_update(self) -> None:
+        """POST /start_weight_update (one step of a weight sync; see harness/weight_sync.py)."""
+        await self._request("post", "/start_weight_update", body={"is_checkpoint_format": True})
+
+    async def send_weight_manifest(self, update_info: dict[str, Any]) -> None:
+        """POST /update_weights with `update_info` (a manifest, plus a file path or the packing fields)."""
+        await self._request("post", "/update_weights", body={"update_info": update_info})
+
+    async def finish_weight_update(self) -> None:
+        await self._request("post", "/finish_weight_update")
+
     async def _finish_after_failure(self) -> None:
         # Best effort: the original failure is what the caller must see.
         with contextlib.suppress(GenerationError):
@@ -562,11 +583,14 @@ class GenerationClient:
         backend: str = "nccl",
         device: torch.device | str | None = None,
         timeout_s: float | None = None,
+        group_factory: Callable[..., BroadcastGroup] | None = None,
     ) -> BroadcastGroup:
         """Form the trainer-server process group (trainer = rank 0) for `update_weights_broadcast`.
 
         The HTTP call and the trainer's own rendezvous run together, as each waits for the other.
         `device`: the trainer's CUDA device for NCCL buffers (default: the current one).
+        `group_factory`: what forms the trainer's side (takes `BroadcastGroup.connect`'s keyword arguments,
+        returns an object with `send` and `close`); default `BroadcastGroup.connect` (the built-in server's).
         """
         from harness.weight_transfer import BroadcastGroup
 
@@ -583,7 +607,7 @@ class GenerationClient:
 
         def connect() -> None:
             groups.append(
-                BroadcastGroup.connect(
+                (group_factory or BroadcastGroup.connect)(
                     master_address=master_address,
                     master_port=master_port,
                     rank=0,

@@ -27,6 +27,7 @@ stops the run if failures dominate.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import logging
 import math
@@ -57,6 +58,7 @@ from harness.scoring import (
     sum_rewards,
 )
 from harness.types import GroupResult, Rollout, RolloutGroup, TrainingSample, TurnRecord
+from harness.weight_sync import adapter_name
 from sandboxes.errors import INFRASTRUCTURE_ERRORS, SandboxError
 from sandboxes.pool import SandboxPool
 from tools import ToolExecutor, ToolResult, Toolset, ToolStatus
@@ -65,6 +67,8 @@ log = logging.getLogger(__name__)
 LOAD_POLL_S = 5.0
 METRICS_FLUSH_S = 1.0
 NUM_SCORERS = 4
+# the adapter version a rollout started under (adapter sync), set in its own task
+_ROLLOUT_ADAPTER: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_adapter", default=None)
 
 
 class InfrastructureFailure(RuntimeError):
@@ -107,6 +111,7 @@ class AsyncRolloutLoop:
         score_queue_maxsize: int = 16,
         lora_name: str | None = None,
         dataset_start_index: int = 0,
+        lora_name_prefix: str | None = None,
         *,
         stop_event: multiprocessing.synchronize.Event | None = None,
         client: Any = None,
@@ -128,6 +133,7 @@ class AsyncRolloutLoop:
         self.environments: dict[str, RoutedEnvironment] = resolve_environments(environment_factory)
         self.score_queue_maxsize = score_queue_maxsize
         self.lora_name = lora_name
+        self.lora_name_prefix = lora_name_prefix
         self.dataset_start_index = dataset_start_index
         self.stop_event = stop_event
         self.client = client
@@ -219,7 +225,7 @@ class AsyncRolloutLoop:
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings."""
-        completion = await self.client.generate(prompt_ids, self.sampling, model=self.lora_name)
+        completion = await self.client.generate(prompt_ids, self.sampling, model=self.served_model())
         turn = completion.to_turn_record(prompt_ids)
         turn.finish_reason = completion.finish_reason
         self.generated_tokens += len(completion.output_ids)
@@ -415,10 +421,22 @@ class AsyncRolloutLoop:
         if blocked > 1e-3:
             self.window.add("rollout/score_block_s", blocked)
 
+    def served_model(self) -> str | None:
+        """The model name a request sends: the rollout's adapter version under adapter sync (pinned when
+        the rollout started, so it finishes under one policy), else `lora_name` (None: the served model)."""
+        pinned = _ROLLOUT_ADAPTER.get()
+        if pinned is not None:
+            return pinned
+        if self.lora_name_prefix is not None:
+            return adapter_name(self.lora_name_prefix, int(self.model_version_value.value))
+        return self.lora_name
+
     async def _run_rollout(
         self, row: dict[str, Any], group_id: int
     ) -> tuple[Rollout, list[dict[str, Any]], tuple[type, float] | None]:
         """One rollout in its own task: environment and sandbox, reset, generate_one, get_reward."""
+        if self.lora_name_prefix is not None:  # this task's context only
+            _ROLLOUT_ADAPTER.set(adapter_name(self.lora_name_prefix, int(self.model_version_value.value)))
         async with self.rollout_slots:
             self.in_flight += 1
             started = time.monotonic()

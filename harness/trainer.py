@@ -12,7 +12,8 @@ What `train()` does, in order (the step itself is `_train_step` with `_train_on_
             versions old
         plan the rows (harness/packing.py), forward each row with tree attention, take the loss on the
             trained tokens (harness/loss.py), backward; one optimizer step
-        every weight_sync_steps: push the weights to the server, bump the policy version
+        every weight_sync_steps: push the policy to the server (harness/weight_sync.py: a LoRA adapter, or
+            merged weights through a file or a broadcast), bump the policy version
         raise the worker's token allowance; log; checkpoint (with rollout_state.json)
     stop the worker (its environments and sandboxes close), then the server
 
@@ -48,6 +49,14 @@ from harness.metrics import MetricsWindow
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
 from harness.rollout import AsyncRolloutLoop
 from harness.types import GroupResult, TrainingSample
+from harness.weight_sync import (
+    CallbackWeightSync,
+    WeightSync,
+    build_weight_sync,
+    check_no_lm_head_adapter,
+    plan_weight_sync,
+)
+from harness.weight_sync import ClientThread as _ClientThread
 from harness.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -88,6 +97,8 @@ class AsyncGRPOTrainer(Trainer):
         processing_class.padding_side = "left"
         if peft_config is not None:
             model = _apply_peft(model, peft_config)
+        for config in (getattr(model, "peft_config", None) or {}).values():
+            check_no_lm_head_adapter(config)  # also for a model wrapped before it got here
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         prepare_model_for_tree_attention(model)
@@ -133,13 +144,17 @@ class AsyncGRPOTrainer(Trainer):
         args: AsyncGRPOConfig = self.args
         self._setup_run(resume_from_checkpoint)
         with contextlib.ExitStack() as stack:
+            base_url = ""
             if self._is_main:
                 base_url = stack.enter_context(self._generation_server())
-                self._client = stack.enter_context(_ClientThread(base_url, args))
+                self._client = stack.enter_context(_ClientThread(base_url, args.vllm_server_timeout))
                 self._token_budget = args.token_budget or self._client.max_model_len()
+            self._token_budget = self._broadcast(getattr(self, "_token_budget", None))
+            self._weight_sync = self._open_weight_sync(base_url)
+            stack.callback(self._weight_sync.close)  # after the worker stopped: it may use the adapters
+            if self._is_main:
                 self.worker = self._start_worker(base_url)
                 stack.callback(self.worker.stop)
-            self._token_budget = self._broadcast(getattr(self, "_token_budget", None))
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             losses = []
             while not self._done():
@@ -164,6 +179,7 @@ class AsyncGRPOTrainer(Trainer):
             vllm_importance_sampling_clip_max=args.vllm_importance_sampling_clip_max,
         )
         self.model_version = 0
+        self._weight_sync: WeightSync | None = None
         self.trained_positions: set[int] = set()
         self.trained_frontier = 0  # the first prompt position not yet trained on (or dropped)
         self.pending: list[TrainingSample] = []
@@ -226,7 +242,7 @@ class AsyncGRPOTrainer(Trainer):
         waited = time.monotonic() - step_started
         out = self._train_on_plan(plan_rows)
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
-            out["perf/weight_sync_s"] = self._sync_weights()  # only steps that synced: no zeros averaged in
+            out.update(self._sync_weights())  # only steps that synced: no zeros averaged in
         step_s = time.monotonic() - step_started
         forwarded, trained = plan_rows["forwarded_tokens"], plan_rows["trained_tokens"]
         out.update(plan_rows["metrics"])
@@ -424,21 +440,48 @@ class AsyncGRPOTrainer(Trainer):
 
     # --- weight sync -----------------------------------------------------------------------------------
 
-    def _sync_weights(self) -> float:
-        """Push the current weights to the server and bump the policy version; returns the seconds."""
-        started = time.monotonic()
-        # Under FSDP2 each parameter is all-gathered in turn (a collective every process joins, in the same
-        # order), so only one full parameter exists at a time; rank 0 sends it, the others drop it.
-        weights = _named_weights_for_server(self.model)
-        if self._is_main:
-            self._client.update_weights(weights)
-        else:
-            for _ in weights:
-                pass
+    def _sync_weights(self) -> dict[str, float]:
+        """Push the policy to the server as the next version, then bump it; the perf/weight_sync_* timings.
+
+        The strategy (harness/weight_sync.py) was chosen when the run started. Without one (steps driven
+        outside `train()`), merged weights go to `self._client.update_weights`.
+        """
+        sync = self._weight_sync or CallbackWeightSync(
+            self._client.update_weights if self._is_main else None,
+            is_main=self._is_main,
+            world_size=self.args.world_size,
+        )
+        timings = sync.sync(self.model, self.model_version + 1)
         self.model_version += 1
         if self._is_main:
             self.worker.set_model_version(self.model_version)
-        return time.monotonic() - started
+        return timings
+
+    def _open_weight_sync(self, base_url: str) -> WeightSync:
+        """Choose (rank 0, from the server's /server_info) and start the weight-sync strategy, every rank."""
+        args: AsyncGRPOConfig = self.args
+        plan = None
+        if self._is_main:
+            plan = plan_weight_sync(
+                self.model, self._client.server_info(), base_url=base_url, max_staleness=args.max_staleness
+            )  # logs its choice and why
+        plan = self._broadcast(plan)
+        sync = build_weight_sync(
+            plan,
+            server=self._client if self._is_main else None,
+            is_main=self._is_main,
+            world_size=args.world_size,
+            output_dir=args.output_dir,
+            max_staleness=args.max_staleness,
+            device=self.args.device,
+            base_url=base_url,
+        )
+        try:
+            sync.start(self.model, self.model_version)
+        except BaseException:
+            sync.close()
+            raise
+        return sync
 
     # --- processes --------------------------------------------------------------------------------------
 
@@ -485,9 +528,14 @@ class AsyncGRPOTrainer(Trainer):
             * args.world_size
             * args.gradient_accumulation_steps
         )
+        loop_kwargs: dict[str, Any] = {}
+        prefix = self._weight_sync.adapter_prefix if self._weight_sync else None
+        if prefix is not None:  # adapter sync: the worker names the newest version it knows
+            loop_kwargs["lora_name_prefix"] = prefix
         worker = RolloutWorker(
             self.loop_cls,
             {
+                **loop_kwargs,
                 "config": worker_args,
                 "model_name": self._client.model_id(),
                 "dataset": self.train_dataset,
@@ -600,44 +648,6 @@ class AsyncGRPOTrainer(Trainer):
 # --- helpers ----------------------------------------------------------------------------------------------
 
 
-class _ClientThread:
-    """A GenerationClient on a private event-loop thread, for the synchronous trainer."""
-
-    def __init__(self, base_url: str, args: AsyncGRPOConfig):
-        self.base_url = base_url
-        self.args = args
-
-    def __enter__(self) -> _ClientThread:
-        from anyio.from_thread import start_blocking_portal
-
-        from harness.client import GenerationClient
-
-        self._portal_cm = start_blocking_portal()
-        self.portal = self._portal_cm.__enter__()
-        self.client = self.portal.call(
-            lambda: GenerationClient(
-                self.base_url, timeout_s=self.args.vllm_server_timeout, max_concurrency=4
-            )
-        )
-        self.portal.call(self.client.wait_until_ready)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        with contextlib.suppress(Exception):
-            self.portal.call(self.client.aclose)
-        self._portal_cm.__exit__(None, None, None)
-
-    def max_model_len(self) -> int:
-        info = self.portal.call(self.client.model_info)
-        return info.max_model_len or 4096
-
-    def model_id(self) -> str:
-        return self.portal.call(self.client.model_info).id
-
-    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.portal.call(self.client.update_weights, named_tensors)
-
-
 def _decoder_forward(model: Any, row: Any) -> torch.Tensor:
     from harness.attention import packed_forward
 
@@ -679,14 +689,7 @@ def _merged_for_saving(model: Any) -> Any:
 def _apply_peft(model: Any, peft_config: Any) -> Any:
     from peft import get_peft_model
 
-    targets = peft_config.target_modules
-    names = [targets] if isinstance(targets, str) else list(targets or [])
-    modules = getattr(peft_config, "modules_to_save", None) or []
-    if any("lm_head" in name for name in [*names, *modules]):
-        raise ValueError(
-            "PEFT adapters on lm_head are not supported: the log-prob head reads the base output "
-            "embedding directly; remove lm_head from target_modules / modules_to_save"
-        )
+    check_no_lm_head_adapter(peft_config)
     return get_peft_model(model, peft_config)
 
 

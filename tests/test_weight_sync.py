@@ -1,0 +1,532 @@
+"""Weight sync (harness/weight_sync.py) against the real built-in server on CPU, with a tiny Qwen3.
+
+The server is an EmbeddedServer (real HTTP, in this process), so a test can read the served model's
+weights and the loaded adapters directly. The trainer side is the same tiny model (seed 0), wrapped in
+LoRA with random B matrices so an adapter changes what the model computes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from harness.client import SamplingConfig
+from harness.server.app import EmbeddedServer
+from harness.server.state import ServerConfig, ServerState
+from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
+from harness.weight_sync import (
+    LORA_DIR,
+    AdapterWeightSync,
+    BroadcastTransfer,
+    ClientThread,
+    MergedWeightSync,
+    WeightSyncPlan,
+    adapter_name,
+    build_weight_sync,
+    merged_manifest,
+    plan_weight_sync,
+)
+
+peft = pytest.importorskip("peft")
+
+PROMPT = [5, 6, 7, 8, 9]
+GREEDY = SamplingConfig(max_tokens=6, temperature=0.0, num_logprobs=0)
+
+
+def embedded_server(**config: Any) -> EmbeddedServer:
+    settings: dict[str, Any] = dict(model="tiny-qwen3", max_model_len=128, max_num_seqs=16)
+    settings.update(config)
+    state = ServerState.from_model(
+        build_tiny_qwen3(), ServerConfig(**settings), tokenizer=build_tiny_tokenizer()
+    )
+    return EmbeddedServer(state)
+
+
+def lora_model(seed: int = 0, r: int = 4, **lora: Any) -> Any:
+    lora.setdefault("target_modules", ["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(build_tiny_qwen3(), peft.LoraConfig(r=r, lora_alpha=2 * r, **lora))
+    randomize_lora(model, seed)
+    return model
+
+
+def randomize_lora(model: Any, seed: int) -> None:
+    """PEFT starts B at zero (a no-op adapter): random B, so every version computes something else."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+
+
+def served_weights_equal(server: EmbeddedServer, model: Any) -> None:
+    """Every tensor the sync sends equals the served model's parameter of that name."""
+    from harness.peft_sync import merged_named_parameters
+
+    served = dict(server.state.model.named_parameters(remove_duplicate=False))
+    count = 0
+    for name, tensor in merged_named_parameters(model):
+        assert torch.equal(served[name], tensor.to(served[name].dtype)), name
+        count += 1
+    assert count == len(merged_manifest(model).names) > 0
+
+
+def greedy(client: ClientThread, model_name: str | None = None) -> Any:
+    return client.call("generate", PROMPT, GREEDY, model=model_name)
+
+
+def forward_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)
+
+
+def assert_generated_by(model: Any, completion: Any) -> None:
+    """Greedy tokens and log-probs equal a direct forward of `model`."""
+    expected = forward_logprobs(model, PROMPT + completion.output_ids)
+    for j, token in enumerate(completion.output_ids):
+        position = len(PROMPT) - 1 + j
+        assert token == int(expected[position].argmax())
+        assert completion.output_log_probs[j] == pytest.approx(expected[position, token].item(), abs=1e-4)
+
+
+# --- the choice (no server) ---------------------------------------------------------------------------------
+
+
+def builtin_info(lora_config: dict[str, int] | None = None, data_parallel: int = 1) -> dict[str, Any]:
+    return {
+        "server": "agent-harness built-in",
+        "vllm_config": {
+            "lora_config": lora_config,
+            "parallel_config": {"data_parallel_size": data_parallel},
+        },
+    }
+
+
+def vllm_info(lora_config: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"vllm_config": {"lora_config": lora_config}}
+
+
+LOCAL = "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
+    ("lora", "info", "url", "kind", "reason"),
+    [
+        (False, builtin_info(), LOCAL, "file", "not a PEFT LoRA model"),
+        (False, builtin_info(), "http://10.255.0.7:8000", "broadcast", "not a PEFT LoRA model"),
+        (False, vllm_info(), LOCAL, "broadcast", "not a PEFT LoRA model"),
+        (True, vllm_info({"max_loras": 3, "max_lora_rank": 8}), LOCAL, "adapter", "rank 4"),
+        (True, builtin_info({"max_loras": 3, "max_lora_rank": 8}), LOCAL, "adapter", "rank 4"),
+        (True, vllm_info(None), LOCAL, "broadcast", "no LoRA support"),
+        (True, vllm_info({"max_loras": 2, "max_lora_rank": 8}), LOCAL, "broadcast", "--max-loras 3"),
+        (True, vllm_info({"max_loras": 3, "max_lora_rank": 1}), LOCAL, "broadcast", "--max-lora-rank 8"),
+        (True, builtin_info({"max_loras": 3, "max_lora_rank": 8}, 2), LOCAL, "file", "data-parallel"),
+    ],
+)
+def test_plan_chooses_adapter_only_when_the_server_can_serve_the_window(lora, info, url, kind, reason):
+    model = lora_model() if lora else build_tiny_qwen3()
+    plan = plan_weight_sync(model, info, base_url=url, max_staleness=1)
+    assert plan.kind == kind
+    assert reason in plan.reason
+
+
+def test_an_adapter_on_lm_head_is_refused_at_start():
+    from datasets import Dataset
+
+    from harness import AsyncGRPOTrainer
+    from harness.config import AsyncGRPOConfig
+
+    args = AsyncGRPOConfig(output_dir="unused", report_to="none", gradient_checkpointing=False)
+    dataset = Dataset.from_dict({"prompt": ["hi"]})
+    common = dict(reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args)
+    for config in (
+        peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+        peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    ):
+        with pytest.raises(ValueError, match=r"lm_head.*Remove lm_head from target_modules"):
+            AsyncGRPOTrainer(
+                build_tiny_qwen3(),
+                train_dataset=dataset,
+                processing_class=build_tiny_tokenizer(),
+                peft_config=config,
+                **common,
+            )
+    # also a model the user wrapped before handing it over
+    wrapped = peft.get_peft_model(build_tiny_qwen3(), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="log-prob head reads the base output embedding"):
+        AsyncGRPOTrainer(wrapped, train_dataset=dataset, processing_class=build_tiny_tokenizer(), **common)
+
+
+class FakeVllmClient:
+    """What the weight sync calls on a GenerationClient, recording the bodies a vLLM server would get."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    async def server_info(self) -> dict[str, Any]:
+        return vllm_info()
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        assert path == "/get_world_size"
+        return {"world_size": 1}
+
+    async def _request(self, method: str, path: str, *, body: Any = None, params: Any = None) -> str:
+        self.calls.append((path, body))
+        return ""
+
+    async def pause(self, mode: str = "keep") -> None:
+        self.calls.append(("/pause", mode))
+
+    async def resume(self) -> None:
+        self.calls.append(("/resume", None))
+
+    async def start_weight_update(self) -> None:
+        self.calls.append(("/start_weight_update", None))
+
+    async def send_weight_manifest(self, update_info: dict[str, Any]) -> None:
+        self.calls.append(("/update_weights", update_info))
+
+    async def finish_weight_update(self) -> None:
+        self.calls.append(("/finish_weight_update", None))
+
+
+@pytest.fixture
+def fake_vllm_server():
+    from anyio.from_thread import start_blocking_portal
+
+    with start_blocking_portal() as portal:
+        server = ClientThread.__new__(ClientThread)
+        server.base_url, server.timeout_s, server.portal = LOCAL, 30.0, portal
+        server.client = FakeVllmClient()
+        yield server
+
+
+def test_merged_sync_to_vllm_without_vllm_installed_names_the_fix(fake_vllm_server):
+    pytest.importorskip("harness.vllm_nccl")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed")
+    with pytest.raises(ImportError, match="needs vLLM on the trainer too"):
+        BroadcastTransfer().connect(fake_vllm_server, LOCAL)
+    assert fake_vllm_server.client.calls == []  # refused before touching the server
+
+
+def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(fake_vllm_server):
+    """vLLM's classes faked (harness.vllm_nccl takes them), on CPU: the bodies carry only vLLM's keys, and
+    the broadcast bytes are the merged weights in manifest order, bucket by bucket."""
+    vllm_nccl = pytest.importorskip("harness.vllm_nccl")
+    broadcasts: list[torch.Tensor] = []
+
+    class Communicator:
+        def __init__(self, group: Any, device: Any) -> None:
+            self.disabled = False
+
+        def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+            assert src == 0
+            broadcasts.append(tensor.clone())
+
+    api = vllm_nccl.VllmNcclApi(
+        stateless_process_group=types.SimpleNamespace(create=lambda **kwargs: object()),
+        communicator=Communicator,
+    )
+    model = lora_model(seed=6)
+    transfer = BroadcastTransfer(device="cpu", buffer_size_bytes=20_000, vllm_api=api)
+    transfer.connect(fake_vllm_server, LOCAL)
+    calls = fake_vllm_server.client.calls
+    assert [path for path, _ in calls] == ["/init_weight_transfer_engine"]
+    assert set(calls[0][1]["init_info"]) == {"master_address", "master_port", "rank_offset", "world_size"}
+    assert calls[0][1]["init_info"]["world_size"] == 2
+    calls.clear()
+    sync = MergedWeightSync(transfer, fake_vllm_server)
+    sync.sync(model, 1)
+    assert [path for path, _ in calls] == [
+        "/pause",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/resume",
+    ]
+    assert calls[0][1] == "keep"
+    info = calls[2][1]
+    assert set(info) == {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes"}
+    from harness.peft_sync import merged_named_parameters
+
+    merged = list(merged_named_parameters(model))
+    expected = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in merged])
+    assert len(broadcasts) > 1  # several buckets
+    assert torch.equal(torch.cat(broadcasts), expected)
+    assert info["names"] == [name for name, _ in merged]
+    sync.close()
+
+
+def test_the_worker_names_the_newest_adapter_and_a_rollout_keeps_the_one_it_started_with():
+    import anyio
+
+    from harness.rollout import _ROLLOUT_ADAPTER, AsyncRolloutLoop
+
+    version = types.SimpleNamespace(value=3)
+    loop = types.SimpleNamespace(lora_name_prefix="policy-x", model_version_value=version, lora_name=None)
+    assert AsyncRolloutLoop.served_model(loop) == "policy-x-v3"  # type: ignore[arg-type]
+    merged = types.SimpleNamespace(lora_name_prefix=None, model_version_value=version, lora_name="fixed")
+    assert AsyncRolloutLoop.served_model(merged) == "fixed"  # type: ignore[arg-type]
+
+    async def rollout() -> tuple[str, str]:
+        _ROLLOUT_ADAPTER.set(adapter_name("policy-x", version.value))  # as _run_rollout does
+        first = AsyncRolloutLoop.served_model(loop)  # type: ignore[arg-type]
+        version.value = 4  # the trainer synced mid-rollout
+        return first, AsyncRolloutLoop.served_model(loop)  # type: ignore[arg-type]
+
+    assert anyio.run(rollout) == ("policy-x-v3", "policy-x-v3")
+    assert AsyncRolloutLoop.served_model(loop) == "policy-x-v4"  # type: ignore[arg-type]
+
+
+# --- against the built-in server ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_adapter_sync_loads_versions_keeps_the_window_and_deletes_one_sync_later(tmp_path):
+    with (
+        embedded_server(enable_lora=True, max_loras=3, max_lora_rank=8) as server,
+        ClientThread(server.base_url, 60) as client,
+    ):
+        model = lora_model(seed=0)
+        plan = plan_weight_sync(model, client.server_info(), base_url=server.base_url, max_staleness=1)
+        assert plan.kind == "adapter"
+        sync = build_weight_sync(
+            plan, server=client, is_main=True, world_size=1, output_dir=tmp_path, max_staleness=1
+        )
+        assert isinstance(sync, AdapterWeightSync)
+        root = tmp_path / LORA_DIR
+
+        def name(version: int) -> str:
+            return adapter_name(sync.adapter_prefix, version)
+
+        def loaded() -> set[str]:
+            return set(server.state.lora.adapters)
+
+        sync.start(model, 0)
+        assert loaded() == {name(0)}
+        assert (root / name(0) / "adapter_config.json").is_file()
+        base = greedy(client)
+        v0 = greedy(client, name(0))
+        assert_generated_by(model, v0)
+        assert v0.output_log_probs != base.output_log_probs
+
+        randomize_lora(model, seed=1)
+        metrics = sync.sync(model, 1)
+        assert {"perf/weight_sync_s", "perf/weight_sync_transfer_s"} <= set(metrics)
+        assert all(math.isfinite(v) and v >= 0 for v in metrics.values())
+        assert loaded() == {name(0), name(1)}  # max_staleness + 1 versions
+        v1 = greedy(client, name(1))
+        assert_generated_by(model, v1)
+        assert v1.output_log_probs != v0.output_log_probs
+
+        randomize_lora(model, seed=2)
+        sync.sync(model, 2)
+        assert loaded() == {name(1), name(2)}  # v0 unloaded as it fell out of the window...
+        assert (root / name(0)).is_dir()  # ...but its files stay one more sync (vLLM reads lazily)
+        sync.sync(model, 3)
+        assert loaded() == {name(2), name(3)}
+        assert not (root / name(0)).exists() and (root / name(1)).is_dir()
+        assert sorted(p.name for p in root.iterdir()) == [name(1), name(2), name(3)]  # no temp dirs left
+        assert not client.call("is_paused")
+
+        sync.close()
+        assert loaded() == set()
+        assert list(root.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_without_lora_support_the_adapter_is_merged_through_the_file_with_the_reason_logged(tmp_path, caplog):
+    with embedded_server(enable_lora=False) as server, ClientThread(server.base_url, 60) as client:
+        model = lora_model(seed=3)
+        with caplog.at_level(logging.INFO, logger="harness.weight_sync"):
+            plan = plan_weight_sync(model, client.server_info(), base_url=server.base_url, max_staleness=1)
+        assert plan.kind == "file"
+        assert "no LoRA support" in caplog.text and "--enable-lora" in caplog.text
+        sync = build_weight_sync(
+            plan, server=client, is_main=True, world_size=1, output_dir=tmp_path, max_staleness=1
+        )
+        assert isinstance(sync, MergedWeightSync) and sync.adapter_prefix is None
+        metrics = sync.sync(model, 1)
+        assert {"perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s"} <= set(
+            metrics
+        )
+        served_weights_equal(server, model)
+        assert_generated_by(model, greedy(client))
+        assert not client.call("is_paused")
+        assert not (tmp_path / LORA_DIR).exists()
+
+
+@pytest.mark.slow
+def test_broadcast_transfer_over_gloo_leaves_the_server_with_the_trainers_weights():
+    with embedded_server() as server, ClientThread(server.base_url, 60) as client:
+        model = lora_model(seed=4)
+        # A small buffer: the weights travel in many buckets, each handed over as it fills.
+        transfer = BroadcastTransfer(device="cpu", buffer_size_bytes=20_000)
+        transfer.connect(client, server.base_url)
+        sync = MergedWeightSync(transfer, client)
+        try:
+            metrics = sync.sync(model, 1)
+            assert metrics["perf/weight_sync_transfer_s"] > 0
+            served_weights_equal(server, model)
+            assert_generated_by(model, greedy(client))
+            randomize_lora(model, seed=5)  # a second sync over the same group
+            sync.sync(model, 2)
+            served_weights_equal(server, model)
+            assert not client.call("is_paused")
+        finally:
+            sync.close()
+
+
+@pytest.mark.slow
+def test_a_failed_merged_sync_raises_and_leaves_the_server_resumed(tmp_path):
+    bad = types.SimpleNamespace(
+        named_parameters=lambda: iter([("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))])
+    )
+    with embedded_server() as server, ClientThread(server.base_url, 60) as client:
+        sync = build_weight_sync(
+            WeightSyncPlan("file", "test"),
+            server=client,
+            is_main=True,
+            world_size=1,
+            output_dir=tmp_path,
+            max_staleness=1,
+        )
+        with pytest.raises(Exception, match="shape"):
+            sync.sync(bad, 1)
+        assert not client.call("is_paused")
+        assert_generated_by(build_tiny_qwen3(), greedy(client))  # nothing was applied
+
+
+# --- the trainer --------------------------------------------------------------------------------------------
+
+
+def conversations(n: int) -> Any:
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"count to {i}"}] for i in range(n)]})
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+@pytest.mark.slow
+def test_trainer_with_lora_syncs_adapters_and_the_worker_generates_with_the_newest(tmp_path):
+    from harness import AsyncGRPOTrainer
+    from harness.config import AsyncGRPOConfig
+
+    model_dir = tmp_path / "model"
+    build_tiny_qwen3().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+    with embedded_server(enable_lora=True, max_loras=3, max_lora_rank=8) as server:
+        events: list[tuple[str, str]] = []
+        manager = server.state.lora
+        load, unload = manager.load, manager.unload
+        manager.load = lambda name, path: (events.append(("load", name)), load(name, path))[1]
+        manager.unload = lambda name: (events.append(("unload", name)), unload(name))[1]
+        requested: list[str] = []
+
+        class Recording(dict):
+            """The server's adapter table, noting which adapter each generation request names."""
+
+            def get(self, key, default=None):
+                requested.append(key)
+                return super().get(key, default)
+
+        manager.adapters = Recording(manager.adapters)
+        args = AsyncGRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            max_steps=2,
+            max_staleness=1,
+            num_generations=4,
+            max_completion_length=8,
+            max_concurrent_rollouts=8,
+            gradient_checkpointing=False,
+            learning_rate=1e-2,
+            token_budget=512,
+            save_strategy="no",
+            report_to="none",
+            generation_server="external",
+            vllm_server_base_url=server.base_url,
+            disable_tqdm=True,
+            logging_steps=1,
+        )
+        prompts = conversations(8)
+        trainer = AsyncGRPOTrainer(
+            str(model_dir),
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=prompts,
+            peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        )
+        output = trainer.train()
+        assert output.global_step == 2
+        prefix = trainer._weight_sync.adapter_prefix
+        assert prefix is not None
+        names = [adapter_name(prefix, v) for v in range(3)]
+        loads = [n for kind, n in events if kind == "load"]
+        assert loads == names  # the start version, then one per sync, never in place
+        unloads = [n for kind, n in events if kind == "unload"]
+        assert unloads[0] == names[0]  # fell out of the window at the second sync
+        assert set(unloads) == set(names)  # the rest when the run ended
+        assert server.state.lora.adapters == {}
+        assert list((tmp_path / "out" / LORA_DIR).iterdir()) == []
+        merged: dict[str, float] = {}
+        for entry in trainer.state.log_history:
+            merged.update(entry)
+        for key in ("perf/weight_sync_s", "perf/weight_sync_transfer_s", "loss"):
+            assert key in merged and math.isfinite(merged[key]), key
+        # every generation request named an adapter version the trainer had loaded, and the worker moved
+        # on to the newer versions as the trainer synced them
+        assert requested and set(requested) <= set(names)
+        assert names[1] in requested or names[2] in requested
+
+
+@pytest.mark.slow
+def test_trainer_with_lora_and_a_builtin_server_without_lora_falls_back_to_merged(tmp_path, caplog):
+    from harness import AsyncGRPOTrainer
+    from harness.config import AsyncGRPOConfig
+
+    model_dir = tmp_path / "model"
+    build_tiny_qwen3().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        max_staleness=1,
+        num_generations=4,
+        max_completion_length=8,
+        max_concurrent_rollouts=8,
+        gradient_checkpointing=False,
+        token_budget=512,
+        save_strategy="no",
+        report_to="none",
+        generation_server="builtin",
+        builtin_server_max_model_len=256,
+        disable_tqdm=True,
+    )
+    trainer = AsyncGRPOTrainer(
+        str(model_dir),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=conversations(8),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    with caplog.at_level(logging.INFO, logger="harness.weight_sync"):
+        assert trainer.train().global_step == 2
+    reason = "weight sync: file (merged sync instead of adapter sync: the server has no LoRA support"
+    assert reason in caplog.text
+    assert trainer._weight_sync.kind == "merged-file"
+    merged: dict[str, float] = {}
+    for entry in trainer.state.log_history:
+        merged.update(entry)
+    for key in ("perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_transfer_s"):
+        assert key in merged and math.isfinite(merged[key]), key
