@@ -364,7 +364,7 @@ class GRPOSettings:
 
     max_steps: int = 12
     num_generations: int = 8
-    learning_rate: float = 1e-3
+    learning_rate: float = 5e-4
     lora_rank: int = 16
     token_budget: int = 1600
     max_completion_length: int = 48
@@ -372,6 +372,7 @@ class GRPOSettings:
     temperature: float = 1.0
     max_concurrent_rollouts: int = 16
     weight_sync_steps: int = 1
+    max_staleness: int = 2  # closer to on-policy: a 135M policy moved by LoRA at this rate drifts fast
     # module-level functions (the rollout worker is spawned and imports them by name)
     reward_funcs: tuple[Any, ...] = (correct_answer, tool_success)
 
@@ -399,6 +400,7 @@ def train_grpo(
         temperature=settings.temperature,
         max_concurrent_rollouts=settings.max_concurrent_rollouts,
         weight_sync_steps=settings.weight_sync_steps,
+        max_staleness=settings.max_staleness,
         gradient_checkpointing=False,
         generation_server="builtin",
         builtin_server_device="cpu",
