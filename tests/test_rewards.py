@@ -27,7 +27,9 @@ POWER_TOWER = r"The answer is \boxed{9^{9^{9^{9}}}}."
 
 
 def _children() -> set[int]:
-    """Pids of this process's live children, read from /proc (zombies excluded)."""
+    """Pids of this process's live children, read from /proc (zombies excluded, and multiprocessing's
+    resource tracker, which the first spawned process of any earlier test starts and keeps for the
+    session)."""
     me = os.getpid()
     found = set()
     for entry in os.listdir("/proc"):
@@ -39,9 +41,17 @@ def _children() -> set[int]:
         except OSError:
             continue
         state, ppid = fields[0], int(fields[1])
-        if ppid == me and state != "Z":
+        if ppid == me and state != "Z" and not _is_resource_tracker(entry):
             found.add(int(entry))
     return found
+
+
+def _is_resource_tracker(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"resource_tracker" in cmdline.read()
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module", autouse=True)
