@@ -327,3 +327,53 @@ def test_failure_breaker_trips_once_past_the_rate_and_names_the_types():
     ):
         breaker.record(True, "GenerationError")
     breaker.record(True, "GenerationError")  # rollouts still finishing while the run unwinds: no second raise
+
+
+async def test_generation_stays_within_the_token_allowance_until_the_trainer_raises_it(tmp_path):
+    """The worker is never more than its allowance (max_staleness steps of tokens) ahead of the trainer:
+    with the allowance held still, dispatch stops within one group of it; raised, dispatch resumes."""
+
+    def script(prompt: str, call: int) -> str:  # half right: every group has a spread and is kept
+        word = prompt.split("user\n")[-1].split("<|im_end|>")[0]
+        return word[::-1] if call % 2 else "no idea"
+
+    loop = make_loop(
+        script,
+        dataset=prompt_rows(*(f"word{i}" for i in range(40))),
+        reward_funcs=[exact_reverse],
+        tmp_path=tmp_path,
+        max_steps=-1,
+        num_train_epochs=1,
+    )
+    allowance = 300
+    loop.token_allowance = types.SimpleNamespace(value=allowance)
+    results: list[GroupResult] = []
+    stop = anyio.Event()
+    loop.stop_event = types.SimpleNamespace(is_set=stop.is_set)
+
+    async def settle() -> int:
+        """Collect until nothing new arrives for half a second; the tokens produced so far."""
+        quiet_since = anyio.current_time()
+        while anyio.current_time() - quiet_since < 0.5:
+            try:
+                results.append(loop.rollout_buffer.get_nowait())
+                quiet_since = anyio.current_time()
+            except queue.Empty:
+                await anyio.sleep(0.01)
+        return sum(result.num_tokens for result in results)
+
+    async def drive() -> None:
+        produced = await settle()
+        largest = max(result.num_tokens for result in results)
+        assert allowance <= produced <= allowance + largest  # stopped within one group of it
+        held = len(results)
+        assert 0 < held < 40
+        loop.token_allowance.value = 3 * allowance
+        produced = await settle()
+        assert len(results) > held and produced <= 3 * allowance + largest
+        stop.set()
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(drive)
+            await loop.run()
