@@ -44,6 +44,7 @@ from transformers.trainer_utils import TrainOutput
 from environments.routing import check_routes, resolve_environments
 from harness.attention import prepare_model_for_tree_attention
 from harness.config import AsyncGRPOConfig
+from harness.flops import device_peak_flops, training_flops
 from harness.loss import LossConfig, fused_policy_loss
 from harness.metrics import MetricsWindow
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
@@ -179,6 +180,8 @@ class AsyncGRPOTrainer(Trainer):
             vllm_importance_sampling_clip_max=args.vllm_importance_sampling_clip_max,
         )
         self.model_version = 0
+        self._num_parameters = sum(parameter.numel() for parameter in self.model.parameters())
+        self._peak_flops = device_peak_flops(torch.device(args.device), half_precision=args.bf16 or args.fp16)
         self._weight_sync: WeightSync | None = None
         self.trained_positions: set[int] = set()
         self.trained_frontier = 0  # the first prompt position not yet trained on (or dropped)
@@ -255,6 +258,10 @@ class AsyncGRPOTrainer(Trainer):
         )
         self.window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, out["perf/fwd_bwd_s"])
         self.window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
+        if getattr(self, "_peak_flops", None):  # each process's share of the arithmetic, over its peak
+            share = training_flops(self._num_parameters, forwarded) / args.world_size / self._peak_flops
+            self.window.add_rate("perf/fwd_bwd_mfu", share, out["perf/fwd_bwd_s"])
+            self.window.add_rate("perf/wall_clock_mfu", share, step_s)
         self.window.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
         self.num_tokens_total += forwarded
         out["num_tokens"] = self.num_tokens_total
