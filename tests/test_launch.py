@@ -69,3 +69,11 @@ def test_serve_help_is_fast_and_lists_the_flags():
     ).stdout
     for flag in ("--port", "--max-model-len", "--dtype", "--device", "--enable-lora", "--kv-cache-tokens"):
         assert flag in out
+
+
+@pytest.mark.slow
+def test_the_port_folder_is_gone_once_the_server_answers(tiny_model_dir):
+    """The folder the server writes its port into is deleted as soon as the port is read, so a parent
+    killed while the server runs leaves no temporary folder behind."""
+    with start_builtin_server(tiny_model_dir, device="cpu", timeout_s=120) as server:
+        assert not server._workdir.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,10 +66,12 @@ class BuiltinServer:
                 logger.warning("built-in server (pid %d) ignored SIGTERM; killing it", self.process.pid)
                 self.process.kill()
                 self.process.wait()
-        for path in self._workdir.iterdir():
-            path.unlink(missing_ok=True)
-        self._workdir.rmdir()
+        self.remove_workdir()
         return self.process.returncode
+
+    def remove_workdir(self) -> None:
+        """Delete the folder the server wrote its port into (idempotent)."""
+        shutil.rmtree(self._workdir, ignore_errors=True)
 
     def __enter__(self) -> BuiltinServer:
         return self
@@ -163,6 +166,7 @@ def start_builtin_server(
                 )
             if not server.base_url and port_file.is_file():
                 server.base_url = f"http://{host}:{int(port_file.read_text())}"
+                server.remove_workdir()  # read: a parent killed from now on leaves no folder behind
             if server.base_url and _healthy(server.base_url):
                 return server
             if time.monotonic() > deadline:
