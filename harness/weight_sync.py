@@ -35,6 +35,7 @@ perf/weight_sync_transfer_s (sending the weights or the adapter).
 
 from __future__ import annotations
 
+import abc
 import collections
 import concurrent.futures
 import contextlib
@@ -255,7 +256,7 @@ def build_weight_sync(
 # --- strategies ------------------------------------------------------------------------------------------
 
 
-class WeightSync:
+class WeightSync(abc.ABC):
     """One way of getting the policy to the server. `adapter_prefix`: the served names' prefix (adapters)."""
 
     kind = "base"
@@ -266,7 +267,7 @@ class WeightSync:
         self.is_main = is_main
         self.world_size = world_size
 
-    def start(self, model: Any, version: int) -> None:
+    def start(self, model: Any, version: int) -> None:  # noqa: B027 -- optional hook, nothing by default
         """Before the first rollout: make `version` (the starting policy) servable."""
 
     def sync(self, model: Any, version: int) -> dict[str, float]:
@@ -277,8 +278,9 @@ class WeightSync:
         timings["perf/weight_sync_s"] = time.monotonic() - started
         return timings
 
+    @abc.abstractmethod
     def _sync(self, model: Any, version: int) -> dict[str, float]:
-        raise NotImplementedError
+        """The strategy's own work: move the weights or the adapter; its timings."""
 
     def _barrier(self) -> float:
         import torch.distributed as dist
@@ -287,7 +289,7 @@ class WeightSync:
         dist.barrier()
         return time.monotonic() - started
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- optional hook, nothing by default
         """Release what the strategy holds (groups, adapters, files); best effort, idempotent."""
 
 
