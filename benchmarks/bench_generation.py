@@ -68,14 +68,11 @@ def build_model(name: str, device: str) -> tuple[Any, int]:
 
         model = AutoModelForCausalLM.from_pretrained(smollm2_model_dir(), dtype=torch.float32)
     elif name == "qwen3-0.6b-random":
+        from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
+
         config = Qwen3Config(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
+            vocab_size=QWEN_VOCAB_SIZE,
+            **QWEN3_SHAPES["qwen3-0.6b"],
             max_position_embeddings=40960,
             tie_word_embeddings=True,
             rope_theta=1000000.0,

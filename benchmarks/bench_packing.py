@@ -36,12 +36,14 @@ from typing import Any
 import torch
 
 from harness.attention import packed_forward, prepare_model_for_tree_attention
+from harness.flops import peak_flops
 from harness.logprobs import _mixed_precision_matmul_works, fused_token_loss, row_logprobs, token_logprobs
 from harness.loss import LossConfig, fused_policy_loss, policy_loss
 from harness.packing import PackedRow, batch_metrics, pack_row, plan_micro_batches
+from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
 from harness.types import TrainingSample, TrainingSequence
 
-PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
+PEAK_BF16_FLOPS = peak_flops("NVIDIA H200", half_precision=True)  # H100/H200 SXM dense bf16
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,20 @@ class Shape:
     vocab: int
 
 
+def _shape_of(dims: dict[str, int], vocab: int) -> Shape:
+    return Shape(
+        hidden=dims["hidden_size"],
+        layers=dims["num_hidden_layers"],
+        heads=dims["num_attention_heads"],
+        kv_heads=dims["num_key_value_heads"],
+        head_dim=dims["head_dim"],
+        intermediate=dims["intermediate_size"],
+        vocab=vocab,
+    )
+
+
 PRESETS = {
-    "qwen3-1.7b": Shape(
-        hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=6144, vocab=151936
-    ),
+    "qwen3-1.7b": _shape_of(QWEN3_SHAPES["qwen3-1.7b"], QWEN_VOCAB_SIZE),
     "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512),
 }
 

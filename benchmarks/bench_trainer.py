@@ -21,7 +21,10 @@ import time
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
-PEAK_BF16_FLOPS = 989e12
+from harness.flops import peak_flops
+from harness.testing.models import QWEN3_SHAPES
+
+PEAK_BF16_FLOPS = peak_flops("NVIDIA H200", half_precision=True)
 PRESETS = {
     "tiny": dict(
         hidden_size=64,
@@ -31,22 +34,7 @@ PRESETS = {
         num_key_value_heads=2,
         head_dim=16,
     ),
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    ),
-    "qwen3-1.7b": dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    ),
+    **QWEN3_SHAPES,
 }
 
 

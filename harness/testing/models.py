@@ -38,6 +38,29 @@ def _token_ids(vocab_size: int | None) -> dict[str, int | None]:
     }
 
 
+# The dimensions of real Qwen3 checkpoints, for random models of their shape (benchmarks). The vocabulary is
+# Qwen's 151,936 ids, embeddings tied.
+QWEN3_SHAPES: dict[str, dict[str, int]] = {
+    "qwen3-0.6b": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    "qwen3-1.7b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+}
+QWEN_VOCAB_SIZE = 151936
+
+
 def tiny_qwen3_config(*, vocab_size: int | None = None, **overrides: Any) -> Qwen3Config:
     """Config of a 2-layer Qwen3, hidden size 64 (4 query heads, 2 KV heads of dim 16); `overrides` win."""
     params: dict[str, Any] = {
