@@ -39,6 +39,26 @@ PROMPT = [5, 6, 7, 8, 9]
 GREEDY = SamplingConfig(max_tokens=6, temperature=0.0, num_logprobs=0)
 
 
+def run_config(tmp_path, **overrides):
+    """A 2-step trainer run on the tiny model, one version of staleness (adapters in the window: 2)."""
+    from harness.config import AsyncGRPOConfig
+
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        max_staleness=1,
+        num_generations=4,
+        max_completion_length=8,
+        max_concurrent_rollouts=8,
+        gradient_checkpointing=False,
+        token_budget=512,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return AsyncGRPOConfig(**{**settings, **overrides})
+
+
 def embedded_server(**config: Any) -> EmbeddedServer:
     settings: dict[str, Any] = dict(model="tiny-qwen3", max_model_len=128, max_num_seqs=16)
     settings.update(config)
@@ -421,7 +441,6 @@ def length_reward(completion_ids, **kwargs):
 @pytest.mark.slow
 def test_trainer_with_lora_syncs_adapters_and_the_worker_generates_with_the_newest(tmp_path):
     from harness import AsyncGRPOTrainer
-    from harness.config import AsyncGRPOConfig
 
     model_dir = tmp_path / "model"
     build_tiny_qwen3().save_pretrained(model_dir)
@@ -442,21 +461,11 @@ def test_trainer_with_lora_syncs_adapters_and_the_worker_generates_with_the_newe
                 return super().get(key, default)
 
         manager.adapters = Recording(manager.adapters)
-        args = AsyncGRPOConfig(
-            output_dir=str(tmp_path / "out"),
-            max_steps=2,
-            max_staleness=1,
-            num_generations=4,
-            max_completion_length=8,
-            max_concurrent_rollouts=8,
-            gradient_checkpointing=False,
+        args = run_config(
+            tmp_path,
             learning_rate=1e-2,
-            token_budget=512,
-            save_strategy="no",
-            report_to="none",
             generation_server="external",
             vllm_server_base_url=server.base_url,
-            disable_tqdm=True,
             logging_steps=1,
         )
         prompts = conversations(8)
@@ -493,26 +502,11 @@ def test_trainer_with_lora_syncs_adapters_and_the_worker_generates_with_the_newe
 @pytest.mark.slow
 def test_trainer_with_lora_and_a_builtin_server_without_lora_falls_back_to_merged(tmp_path, caplog):
     from harness import AsyncGRPOTrainer
-    from harness.config import AsyncGRPOConfig
 
     model_dir = tmp_path / "model"
     build_tiny_qwen3().save_pretrained(model_dir)
     build_tiny_tokenizer().save_pretrained(model_dir)
-    args = AsyncGRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        max_staleness=1,
-        num_generations=4,
-        max_completion_length=8,
-        max_concurrent_rollouts=8,
-        gradient_checkpointing=False,
-        token_budget=512,
-        save_strategy="no",
-        report_to="none",
-        generation_server="builtin",
-        builtin_server_max_model_len=256,
-        disable_tqdm=True,
-    )
+    args = run_config(tmp_path, generation_server="builtin", builtin_server_max_model_len=256)
     trainer = AsyncGRPOTrainer(
         str(model_dir),
         reward_funcs=length_reward,
