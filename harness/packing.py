@@ -50,6 +50,7 @@ __all__ = [
     "RowPlan",
     "batch_metrics",
     "pack_row",
+    "packed_token_count",
     "pair_weight_for_config",
     "plan_micro_batches",
 ]
@@ -299,6 +300,17 @@ class PackedRow:
             if isinstance(value := getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **moved)
+
+
+def packed_token_count(samples: Sequence[TrainingSample]) -> int:
+    """The tokens `samples` forward when packed into one row: a prefix they share counts once.
+
+    The unit of the token budget, and of the worker's token allowance (a group's samples share its prompt).
+    """
+    trie = PrefixTrie()
+    for sample in samples:
+        trie.insert(*_sample_arrays(sample))
+    return trie.num_tokens
 
 
 def _sample_arrays(sample: TrainingSample) -> tuple[np.ndarray, np.ndarray]:

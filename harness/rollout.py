@@ -47,6 +47,7 @@ from harness.config import AsyncGRPOConfig
 from harness.env_pool import EnvironmentPool, call_hook
 from harness.metrics import MetricsWindow
 from harness.pacing import ConcurrencyCap, FailureBreaker, TokenGate
+from harness.packing import packed_token_count
 from harness.reconcile import reconcile_metrics, reconcile_rollout
 from harness.rollout_metrics import record_group
 from harness.scoring import (
@@ -87,8 +88,9 @@ class AsyncRolloutLoop:
     produced in all, see harness/pacing.py), `heartbeat_value` (set to time.time() every second),
     `failed_event` and `exception_info_queue` (a fatal error and its traceback), `metrics_queue` (logging
     windows), `rollout_buffer` (GroupResult items). Beyond the reference: `stop_event` asks for a
-    graceful stop, and `client` may be given (tests pass a double implementing GenerationClient's
-    methods).
+    graceful stop, `held_event` is set while the allowance holds generation with no group in flight (the
+    trainer then knows no more samples are coming and trains on what it has), and `client` may be given
+    (tests pass a double implementing GenerationClient's methods).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class AsyncRolloutLoop:
         lora_name_prefix: str | None = None,
         *,
         stop_event: multiprocessing.synchronize.Event | None = None,
+        held_event: multiprocessing.synchronize.Event | None = None,
         client: Any = None,
     ):
         self.config = config
@@ -136,6 +139,7 @@ class AsyncRolloutLoop:
         self.lora_name_prefix = lora_name_prefix
         self.dataset_start_index = dataset_start_index
         self.stop_event = stop_event
+        self.held_event = held_event
         self.client = client
         self.sampling = SamplingConfig(
             max_tokens=config.max_completion_length,
@@ -372,8 +376,12 @@ class AsyncRolloutLoop:
         while not self._may_start_group():
             if self._stop_requested():
                 return
+            if self.held_event is not None and self.gate.groups_in_flight == 0:
+                self.held_event.set()  # nothing more reaches the queue until the allowance is raised
             await anyio.sleep(0.01)
             waited += 0.01
+        if self.held_event is not None:
+            self.held_event.clear()
         if waited:
             self.window.add("rollout/backpressure_s", waited)
 
@@ -568,8 +576,7 @@ class AsyncRolloutLoop:
             has_tools=bool(self.tools or self.environments),
             per_environment=len(self.environments) > 1,
         )
-        num_tokens = sum(len(sample.sequence.input_ids) for sample in samples)
-        return GroupResult(position, group.row_index, samples, num_tokens)
+        return GroupResult(position, group.row_index, samples, packed_token_count(samples))
 
     def _reward_sources(self, rewards_F_G: np.ndarray, group: RolloutGroup) -> tuple[list[str], np.ndarray]:
         names = [reward_func_name(func) for func in self.reward_funcs]

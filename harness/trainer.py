@@ -21,7 +21,10 @@ The trainer extends `transformers.Trainer` for what that does well (optimizer an
 callbacks, report_to integrations, model saving); the training loop is its own. Several processes
 (`accelerate launch` / `torchrun`): rank 0 runs the worker and the server and feeds every rank its rows;
 the policy is sharded over the processes with FSDP2 (harness/fsdp.py), whose reduce-scatter sums the rows'
-gradients; the weight sync gathers one full parameter at a time for rank 0 to send.
+gradients; the weight sync gathers one full parameter at a time for rank 0 to send. Every process also helps
+write what rank 0 alone saves: the folder a built-in server starts on (for a model object or a resumed run)
+and each checkpoint. A checkpoint holds the one-process files, so a run resumes on any number of processes:
+rank 0 loads the weights into its full model before sharding and broadcasts them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from transformers.trainer_utils import TrainOutput
 
 from environments.routing import check_routes, resolve_environments
 from harness.attention import prepare_model_for_tree_attention
+from harness.client_thread import ClientThread as _ClientThread
 from harness.config import AsyncGRPOConfig
 from harness.flops import device_peak_flops, training_flops
 from harness.loss import LossConfig, fused_policy_loss
@@ -51,13 +55,11 @@ from harness.packing import batch_metrics, pack_row, pair_weight_for_config, pla
 from harness.rollout import AsyncRolloutLoop
 from harness.types import GroupResult, TrainingSample
 from harness.weight_sync import (
-    CallbackWeightSync,
     WeightSync,
     build_weight_sync,
     check_no_lm_head_adapter,
     plan_weight_sync,
 )
-from harness.weight_sync import ClientThread as _ClientThread
 from harness.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -145,9 +147,8 @@ class AsyncGRPOTrainer(Trainer):
         args: AsyncGRPOConfig = self.args
         self._setup_run(resume_from_checkpoint)
         with contextlib.ExitStack() as stack:
-            base_url = ""
+            base_url = stack.enter_context(self._generation_server())  # every process: it may gather weights
             if self._is_main:
-                base_url = stack.enter_context(self._generation_server())
                 self._client = stack.enter_context(_ClientThread(base_url, args.vllm_server_timeout))
                 self._token_budget = args.token_budget or self._client.max_model_len()
             self._token_budget = self._broadcast(getattr(self, "_token_budget", None))
@@ -164,13 +165,18 @@ class AsyncGRPOTrainer(Trainer):
                 self.state.global_step += 1
                 self._after_step(step_metrics)
             self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if args.world_size > 1:
+            # leave together: a process that exits while rank 0 still stops the worker and the server can
+            # crash in NCCL's watchdog thread at interpreter exit (seen on 2 H200s)
+            self.accelerator.wait_for_everyone()
         mean_loss = float(sum(losses) / len(losses)) if losses else math.nan
         return TrainOutput(self.state.global_step, mean_loss, {"train_loss": mean_loss})
 
     def _setup_run(self, resume_from_checkpoint: str | bool | None) -> None:
         args: AsyncGRPOConfig = self.args
+        checkpoint = self._checkpoint_directory(resume_from_checkpoint) if resume_from_checkpoint else None
         if args.world_size > 1:
-            self._shard_model()
+            self._shard_model(checkpoint)
         self.create_optimizer_and_scheduler(num_training_steps=max(args.max_steps, 1))
         self.loss_config = LossConfig(
             score_centering=args.score_centering,
@@ -190,28 +196,35 @@ class AsyncGRPOTrainer(Trainer):
         self.tokens_consumed = 0
         self.num_tokens_total = 0
         self.last_step_tokens = 0
+        self.prompts_done = 0
         self._finished_worker = False
         self.state.global_step = 0
         self.state.max_steps = args.max_steps if args.max_steps > 0 else 0
         self.pair_weight = pair_weight_for_config(self.model.config)
-        if resume_from_checkpoint:
-            self._resume(resume_from_checkpoint)
+        if checkpoint is not None:
+            self._resume(checkpoint)
 
     @property
     def _is_main(self) -> bool:
         return self.args.process_index == 0
 
-    def _shard_model(self) -> None:
+    def _shard_model(self, checkpoint: Path | None = None) -> None:
         """Several processes: shard the policy with FSDP2 (harness/fsdp.py), before the optimizer exists.
 
         An accelerate FSDP config chooses the settings (it must be `fsdp_version: 2`); without one, FSDP2 with
-        the config's precision (bf16/fp16: float32 master weights, compute in the half type).
+        the config's precision (bf16/fp16: float32 master weights, compute in the half type). Resuming, the
+        checkpoint's weights are loaded first (`_load_weights_before_sharding`).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        from harness.fsdp import is_sharded, mixed_precision_policy, shard_model
+        from harness.fsdp import is_sharded, mixed_precision_policy, shard_model, use_float32_master_weights
 
         if is_sharded(self.model):
+            if checkpoint is not None:
+                raise ValueError(
+                    "the model is already sharded, so a checkpoint can no longer be loaded into it: resume "
+                    "with a new AsyncGRPOTrainer"
+                )
             return
         if self.optimizer is not None:
             raise ValueError(
@@ -233,6 +246,9 @@ class AsyncGRPOTrainer(Trainer):
         # also for a CPU run (use_cpu=True)
         device = torch.device(self.args.device)
         self.model.to(device)
+        if checkpoint is not None:
+            use_float32_master_weights(self.model, settings["mp_policy"])  # saved float32 weights stay exact
+            self._load_weights_before_sharding(checkpoint)
         shard_model(self.model, mesh=init_device_mesh(device.type, (args.world_size,)), **settings)
 
     # --- one training step ----------------------------------------------------------------------------
@@ -241,7 +257,9 @@ class AsyncGRPOTrainer(Trainer):
         """Pull samples, drop the stale, plan rows, forward/backward each, step, sync, and report."""
         args: AsyncGRPOConfig = self.args
         step_started = time.monotonic()
-        plan_rows = self._broadcast(self._plan_step() if self._is_main else None)
+        # rank 0 plans every rank's rows; the prompts it has seen done set every rank's epoch
+        planned = (self._plan_step(), self.prompts_done) if self._is_main else None
+        plan_rows, self.prompts_done = self._broadcast(planned)
         waited = time.monotonic() - step_started
         out = self._train_on_plan(plan_rows)
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
@@ -333,9 +351,15 @@ class AsyncGRPOTrainer(Trainer):
         return torch.tensor(math.fsum(loss for loss, _ in states), dtype=torch.float64), merged
 
     def _plan_step(self) -> dict[str, Any]:
-        """Rank 0: gather enough fresh samples for one step and split them into rows for every rank."""
+        """Rank 0: gather fresh samples until a step's rows are full, and split them into rows for every rank.
+
+        The rows are full when the kept samples overflow the step's micro-batches (some are left over for
+        the next step). A step trains on less only when no more samples can come: the worker finished, or
+        the token allowance holds generation with nothing in flight.
+        """
         args: AsyncGRPOConfig = self.args
         window = self.window
+        nothing_coming = False
         while True:
             plan = plan_micro_batches(
                 self.pending,
@@ -344,12 +368,13 @@ class AsyncGRPOTrainer(Trainer):
                 max_micro_batches=args.gradient_accumulation_steps,
                 pair_weight=self.pair_weight,
             )
-            full = len(plan.micro_batches) >= args.gradient_accumulation_steps
-            if full or (self._finished_worker and plan.micro_batches):
+            full = len(plan.micro_batches) >= args.gradient_accumulation_steps and bool(plan.leftover)
+            if full or (plan.micro_batches and (self._finished_worker or nothing_coming)):
                 break
             if self._finished_worker:
                 raise RuntimeError("the rollout worker finished before a single step's samples were ready")
-            self._pull(timeout_s=1.0)
+            held = self.worker.held  # read before pulling: a group that finished before it is in the queue
+            nothing_coming = not self._pull(timeout_s=0.05 if held else 0.25) and held
         now = time.monotonic()
         micro_batches = []
         used: set[int] = set()
@@ -371,9 +396,9 @@ class AsyncGRPOTrainer(Trainer):
             window.add("sample/forwarded_tokens_mean", len(sample.sequence.input_ids))
             window.add("sample/forwarded_tokens_max", len(sample.sequence.input_ids))
             window.add("sample/trained_tokens_mean", sample.sequence.num_trained)
-        step_tokens = sum(len(sample.sequence.input_ids) for sample in stepped)
-        self.tokens_consumed += step_tokens + sum(len(sample.sequence.input_ids) for sample in dropped)
-        self.last_step_tokens = step_tokens
+        # counted in the worker's unit (its GroupResult.num_tokens), so its allowance stays exact
+        self.last_step_tokens = _token_shares(stepped)
+        self.tokens_consumed += self.last_step_tokens + _token_shares(dropped)
         metrics = batch_metrics(plan)
         forwarded = sum(row.num_tokens for mb in plan.micro_batches for row in mb.rows)
         trained = sum(row.num_trained for mb in plan.micro_batches for row in mb.rows)
@@ -384,22 +409,26 @@ class AsyncGRPOTrainer(Trainer):
             "trained_tokens": trained,
         }
 
-    def _pull(self, timeout_s: float) -> None:
-        """Take group results from the worker: keep fresh samples, drop the stale, track prompt positions."""
+    def _pull(self, timeout_s: float) -> bool:
+        """Take a group result from the worker: keep fresh samples, drop the stale, track prompt positions.
+        Returns whether a result came."""
         result = self.worker.get(timeout_s=timeout_s)
         if result is None:
             self._finished_worker = self.worker.finished
-            return
+            return False
         self._account(result)
-        fresh = []
+        fresh, stale = [], []
         for sample in result.samples:
-            if self.model_version - sample.model_version > self.args.max_staleness:
-                self.window.add("sample/dropped_stale_count", 1)
-                self.tokens_consumed += len(sample.sequence.input_ids)
-            else:
-                fresh.append(sample)
+            sample.token_share = result.num_tokens / len(result.samples)
+            is_stale = self.model_version - sample.model_version > self.args.max_staleness
+            (stale if is_stale else fresh).append(sample)
+        if stale:
+            self.window.add("sample/dropped_stale_count", len(stale))
+            self.tokens_consumed += _token_shares(stale)
+            self._raise_allowance()  # dropped samples free their share of the allowance now
         self.pending += fresh
         self.window.add("rollout/queue_size", len(self.pending))
+        return True
 
     def _account(self, result: GroupResult) -> None:
         """A prompt is done (trained on, dropped or filtered): advance the resume position."""
@@ -415,8 +444,7 @@ class AsyncGRPOTrainer(Trainer):
         args: AsyncGRPOConfig = self.args
         if self._is_main:
             self.worker.check()
-            allowance = self.tokens_consumed + max(args.max_staleness, 1) * max(self.last_step_tokens, 1)
-            self.worker.set_token_allowance(allowance)
+            self._raise_allowance()
             for state in self.worker.drain_metrics():
                 self.window.merge(state)
         self.window.add_many(step_metrics)
@@ -435,6 +463,17 @@ class AsyncGRPOTrainer(Trainer):
         ):
             self.save_checkpoint()
 
+    def _token_allowance(self) -> int:
+        """What the worker may have produced in all: max(max_staleness, 1) steps' tokens beyond what was
+        consumed (a step's tokens: the last step's, before the first one full rows)."""
+        step_tokens = self.last_step_tokens or (
+            self._token_budget * self.args.world_size * self.args.gradient_accumulation_steps
+        )
+        return math.ceil(self.tokens_consumed + max(self.args.max_staleness, 1) * max(step_tokens, 1))
+
+    def _raise_allowance(self) -> None:
+        self.worker.set_token_allowance(self._token_allowance())
+
     def _done(self) -> bool:
         args: AsyncGRPOConfig = self.args
         if args.max_steps > 0:
@@ -450,15 +489,12 @@ class AsyncGRPOTrainer(Trainer):
     def _sync_weights(self) -> dict[str, float]:
         """Push the policy to the server as the next version, then bump it; the perf/weight_sync_* timings.
 
-        The strategy (harness/weight_sync.py) was chosen when the run started. Without one (steps driven
-        outside `train()`), merged weights go to `self._client.update_weights`.
+        The strategy (harness/weight_sync.py) is the one `train()` opened (`_open_weight_sync`); a caller
+        that drives steps itself sets `self._weight_sync` first (tests/test_fsdp.py does).
         """
-        sync = self._weight_sync or CallbackWeightSync(
-            self._client.update_weights if self._is_main else None,
-            is_main=self._is_main,
-            world_size=self.args.world_size,
-        )
-        timings = sync.sync(self.model, self.model_version + 1)
+        if self._weight_sync is None:
+            raise RuntimeError("no weight-sync strategy: train() opens one before the first step")
+        timings = self._weight_sync.sync(self.model, self.model_version + 1)
         self.model_version += 1
         if self._is_main:
             self.worker.set_model_version(self.model_version)
@@ -494,47 +530,60 @@ class AsyncGRPOTrainer(Trainer):
 
     @contextlib.contextmanager
     def _generation_server(self) -> Iterator[str]:
+        """Rank 0: the server's base URL, the configured one or that of a built-in server it starts; "" on the
+        other processes. Every process enters it: a built-in server on other weights than `model_path`'s (a
+        model object, a resumed run) loads a folder that every process helps write."""
         from harness.server.launch import open_generation_server
 
         args: AsyncGRPOConfig = self.args
         url = args.vllm_server_base_url
-        if args.generation_server == "builtin" or (args.generation_server == "auto" and not _answers(url)):
-            url = None
+        builtin = self._broadcast(
+            (args.generation_server == "builtin" or (args.generation_server == "auto" and not _answers(url)))
+            if self._is_main
+            else None
+        )
         with contextlib.ExitStack() as stack:
             model_path = self.model_path
-            if url is None and (model_path is None or self.state.global_step or self.model_version):
+            if builtin and (model_path is None or self.state.global_step or self.model_version):
                 model_path = stack.enter_context(self._saved_model_for_server())
-            yield stack.enter_context(
-                open_generation_server(
-                    url,
-                    model=model_path,
-                    device=args.builtin_server_device or ("cuda" if torch.cuda.is_available() else "cpu"),
-                    max_model_len=args.builtin_server_max_model_len,
+            base_url = ""
+            if self._is_main:
+                base_url = stack.enter_context(
+                    open_generation_server(
+                        None if builtin else url,
+                        model=model_path,
+                        device=args.builtin_server_device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                        max_model_len=args.builtin_server_max_model_len,
+                    )
                 )
-            )
+            yield base_url
 
     @contextlib.contextmanager
     def _saved_model_for_server(self) -> Iterator[str]:
-        """The current weights in a temporary folder, for a built-in server to load."""
-        directory = tempfile.mkdtemp(prefix="agent-harness-model-")
+        """The current weights (LoRA merged in) in a temporary folder on rank 0 for a built-in server to load;
+        "" on the other processes. A collective under FSDP2: every process gathers each parameter in turn."""
+        from harness.peft_sync import merged_named_parameters
+
+        directory = tempfile.mkdtemp(prefix="agent-harness-model-") if self._is_main else ""
         try:
-            model = _merged_for_saving(self.model)
-            model.save_pretrained(directory)
-            self.processing_class.save_pretrained(directory)
+            state = {}
+            for name, tensor in merged_named_parameters(self.model):
+                if self._is_main:
+                    state[name] = tensor.to("cpu")
+            if self._is_main:
+                base = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
+                base.save_pretrained(directory, state_dict=state)
+                self.processing_class.save_pretrained(directory)
+            del state
             yield directory
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def _start_worker(self, base_url: str) -> RolloutWorker:
         args: AsyncGRPOConfig = self.args
         worker_args = _replace(args, vllm_server_base_url=base_url)
         eos_ids = _eos_token_ids(self.processing_class, self.model)
-        rows_full = (
-            max(args.max_staleness, 1)
-            * self._token_budget
-            * args.world_size
-            * args.gradient_accumulation_steps
-        )
         loop_kwargs: dict[str, Any] = {}
         prefix = self._weight_sync.adapter_prefix if self._weight_sync else None
         if prefix is not None:  # adapter sync: the worker names the newest version it knows
@@ -554,7 +603,7 @@ class AsyncGRPOTrainer(Trainer):
                 "dataset_start_index": self.trained_frontier,
             },
             heartbeat_timeout_s=args.rollout_worker_timeout,
-            initial_token_allowance=self.tokens_consumed + rows_full,
+            initial_token_allowance=self._token_allowance(),
         )
         worker.start()
         worker.set_model_version(self.model_version)
@@ -578,10 +627,12 @@ class AsyncGRPOTrainer(Trainer):
         if self._is_main:
             directory.mkdir(parents=True, exist_ok=True)
         if self._sharded:
-            # FSDP2: every process helps gather the full state dicts, rank 0 writes the usual files
+            # FSDP2: every process helps gather the full state dicts, rank 0 writes the usual files (a PEFT
+            # model's: its adapter alone, so the frozen base is not gathered)
             from harness.fsdp import full_state_dicts
 
-            model_state, optimizer_state = full_state_dicts(self.model, self.optimizer)
+            peft = hasattr(self.model, "peft_config")
+            model_state, optimizer_state = full_state_dicts(self.model, self.optimizer, trainable_only=peft)
             if self._is_main:
                 self.model.save_pretrained(str(directory), state_dict=model_state)
                 self.processing_class.save_pretrained(str(directory))
@@ -608,15 +659,26 @@ class AsyncGRPOTrainer(Trainer):
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return directory
 
-    def _resume(self, checkpoint: str | bool) -> None:
+    def _checkpoint_directory(self, checkpoint: str | bool) -> Path:
+        """The folder `resume_from_checkpoint` names: a path, or True for the last one in output_dir."""
         directory = (
             Path(checkpoint) if isinstance(checkpoint, str) else _last_checkpoint(self.args.output_dir)
         )
         if directory is None:
             raise FileNotFoundError(f"no checkpoint to resume from in {self.args.output_dir}")
+        return directory
+
+    def _resume(self, directory: Path) -> None:
+        """A checkpoint's optimizer, scheduler and rollout state; its weights too, unless FSDP2 loaded them
+        before sharding (`_load_weights_before_sharding`)."""
         state = json.loads((directory / ROLLOUT_STATE_FILE).read_text())
         if self._sharded:
-            self._load_sharded_checkpoint(directory)
+            from harness.fsdp import load_full_optimizer_state_dict
+
+            optimizer_state = {}
+            if self._is_main:
+                optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
+            load_full_optimizer_state_dict(self.model, self.optimizer, optimizer_state)
         else:
             self._load_from_checkpoint(str(directory))
             self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
@@ -634,25 +696,31 @@ class AsyncGRPOTrainer(Trainer):
 
         return self.args.world_size > 1 and is_sharded(self.model)
 
-    def _load_sharded_checkpoint(self, directory: Path) -> None:
-        """FSDP2: rank 0 reads the checkpoint's full weights and optimizer state, every process its shard."""
-        from harness.fsdp import load_full_state_dicts
+    def _load_weights_before_sharding(self, directory: Path) -> None:
+        """FSDP2 resume: rank 0 loads the checkpoint's weights into its full model (what a one-process
+        checkpoint holds: a PEFT model's adapter, else the whole model), then every process takes rank 0's
+        trainable parameters (a full model: every tensor), so the shards start from them. A collective."""
+        from harness.fsdp import broadcast_from_rank0
 
-        if hasattr(self.model, "peft_config"):
-            raise NotImplementedError("resuming a PEFT model under FSDP2 is not supported yet")
-        model_state: dict[str, Any] = {}
-        optimizer_state: dict[str, Any] = {}
-        if self._is_main:
+        model = self.model
+        peft = hasattr(model, "peft_config")
+        if self._is_main and peft:
+            model.load_adapter(str(directory), adapter_name=model.active_adapter, is_trainable=True)
+        elif self._is_main:
             # from_pretrained, not the raw files: it undoes whatever weight renaming the model's saving did
-            dtype = next(iter(self.model.parameters())).dtype
-            saved = type(self.model).from_pretrained(str(directory), dtype=dtype)
-            model_state = saved.state_dict()
+            dtype = next(iter(model.parameters())).dtype
+            saved = type(model).from_pretrained(str(directory), dtype=dtype)
+            model.load_state_dict(saved.state_dict())
             del saved
-            optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
-        load_full_state_dicts(self.model, self.optimizer, model_state, optimizer_state)
+        tensors = [p for p in model.parameters() if p.requires_grad] if peft else model.state_dict().values()
+        broadcast_from_rank0(tensors)
 
 
 # --- helpers ----------------------------------------------------------------------------------------------
+
+
+def _token_shares(samples: Sequence[TrainingSample]) -> float:
+    return math.fsum(sample.token_share for sample in samples)
 
 
 def _decoder_forward(model: Any, row: Any) -> torch.Tensor:
@@ -683,14 +751,6 @@ def _named_weights_for_server(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     from harness.peft_sync import merged_named_parameters
 
     yield from merged_named_parameters(model)
-
-
-def _merged_for_saving(model: Any) -> Any:
-    if hasattr(model, "peft_config"):
-        import copy
-
-        return copy.deepcopy(model).merge_and_unload()
-    return model
 
 
 def _apply_peft(model: Any, peft_config: Any) -> Any:

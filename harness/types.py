@@ -103,6 +103,8 @@ class TrainingSample:
         group_id: The group (prompt) the rollout belongs to; samples of a group share a prompt prefix.
         model_version: Policy version that generated the rollout (for staleness).
         queued_at: time.monotonic() when the sample entered the rollout queue.
+        token_share: Its share of its group's `GroupResult.num_tokens` (set by the trainer when it takes
+            the group): what training or dropping it gives back to the worker's token allowance.
     """
 
     sequence: TrainingSequence
@@ -110,6 +112,7 @@ class TrainingSample:
     group_id: int
     model_version: int = 0
     queued_at: float = 0.0
+    token_share: float = 0.0
 
 
 RolloutStatus = Literal["ok", "failed"]
@@ -186,7 +189,8 @@ class GroupResult:
         position: The prompt's position in the worker's stream of prompts (epoch * len(dataset) + index).
         row_index: The prompt's row in the dataset.
         samples: The group's training samples; empty when nothing of it is trained on.
-        num_tokens: Tokens of the samples (their input ids, summed).
+        num_tokens: Tokens of the samples packed together, a shared prefix counted once
+            (`harness.packing.packed_token_count`): what the group adds to the rows it is trained in.
     """
 
     position: int

@@ -32,8 +32,8 @@ packed_tensor.py in vllm-project/vllm):
   so packing bucket k+1 overlaps the broadcast of bucket k.
 
 NCCL has no timeout: run `send` on a background thread while the HTTP /update_weights call (which has
-one) runs on the caller's thread, as `GenerationClient.update_weights_broadcast` does (that method must
-post `update_info(manifest)`, not its own body: vLLM rejects keys it does not know).
+one) runs on the caller's thread, as `harness.weight_sync.BroadcastTransfer` does (posting
+`update_info(manifest)`, not a body of its own: vLLM rejects keys it does not know).
 
 What was run, and what was not: only CPU code, on a CPU-only machine without vLLM (torch 2.13 CPU):
 tests/test_vllm_nccl.py checks the packing (bucket boundaries equal to `plan_buckets` and to a
@@ -317,7 +317,8 @@ def _make_streams(device: torch.device, count: int) -> list[Any]:
 
 
 class WeightTransferServer(Protocol):
-    """The two HTTP calls `connect_server` makes; `GenerationClientServer` adapts a GenerationClient."""
+    """The two HTTP calls that form a transfer group: `connect_server`'s, and the built-in server's group's
+    (`harness.weight_sync.BroadcastTransfer`). `GenerationClientServer` adapts a GenerationClient."""
 
     async def get_world_size(self) -> int: ...
 
@@ -340,14 +341,13 @@ class GenerationClientServer:
 class VllmNcclGroup:
     """The trainer (rank 0) of vLLM's NCCL weight-transfer group; swaps in for `BroadcastGroup`.
 
-    Usage (the trainer, once, then per sync):
+    Usage (the trainer, once, then per sync; `harness.weight_sync.BroadcastTransfer` does this):
 
         group = await VllmNcclGroup.connect_server(
             GenerationClientServer(client), master_address=trainer_ip, master_port=port)
-        await client.update_weights_broadcast(group, model.named_parameters())   # calls group.send
+        # per sync, between /start_weight_update and /finish_weight_update: a thread runs
+        # group.send(named_tensors, manifest=manifest) while /update_weights carries update_info(manifest)
         group.close()
-
-    `update_weights_broadcast` must post `update_info(manifest)` (vLLM rejects keys it does not know).
     """
 
     def __init__(

@@ -4,7 +4,9 @@
     sync = build_weight_sync(plan, model=..., server=client, ...)                           # every rank
     sync.start(model, version)           # adapter sync: publishes the starting version
     metrics = sync.sync(model, version)  # each sync: {"perf/weight_sync_s": ..., ...}
-    sync.close()
+    sync.close()                         # or: with build_weight_sync(...) as sync: ...
+
+`client`/`server`: rank 0's `harness.client_thread.ClientThread` (None on the other ranks).
 
 Strategies (`WeightSync`: `start`, `sync`, `close`, `adapter_prefix`):
 
@@ -21,7 +23,6 @@ Strategies (`WeightSync`: `start`, `sync`, `close`, `adapter_prefix`):
   layer at a time and the parameters stream one at a time (`harness.peft_sync.merged_named_parameters`;
   under FSDP2 each is all-gathered by every process in the same order, rank 0 sends): the whole model
   never exists twice.
-* `CallbackWeightSync`: merged weights to any callable (tests that drive steps without a server).
 
 Choice (`plan_weight_sync`): adapter sync when the policy is a PEFT LoRA model and the server reports
 LoRA support (server_info lora_config with max_loras >= max_staleness + 2 and the adapter's rank within
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import abc
 import collections
-import concurrent.futures
 import contextlib
 import functools
 import ipaddress
@@ -49,14 +49,18 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
     import torch
+
+    from harness.client_thread import ClientThread
+    from harness.vllm_nccl import WeightTransferServer
+    from harness.weight_transfer import BroadcastGroup
 
 log = logging.getLogger(__name__)
 
@@ -67,59 +71,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def adapter_name(prefix: str, version: int) -> str:
     """The served name of an adapter version (the trainer loads it, the rollout worker requests it)."""
     return f"{prefix}-v{int(version)}"
-
-
-# --- the trainer's synchronous handle on the async client --------------------------------------------------
-
-
-class ClientThread:
-    """A GenerationClient on a private event-loop thread, for the synchronous trainer."""
-
-    def __init__(self, base_url: str, timeout_s: float = 1800.0):
-        self.base_url = base_url
-        self.timeout_s = timeout_s
-
-    def __enter__(self) -> ClientThread:
-        from anyio.from_thread import start_blocking_portal
-
-        from harness.client import GenerationClient
-
-        self._portal_cm = start_blocking_portal()
-        self.portal = self._portal_cm.__enter__()
-        self.client = self.portal.call(
-            lambda: GenerationClient(self.base_url, timeout_s=self.timeout_s, max_concurrency=4)
-        )
-        self.portal.call(self.client.wait_until_ready)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        with contextlib.suppress(Exception):
-            self.portal.call(self.client.aclose)
-        self._portal_cm.__exit__(None, None, None)
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the client's coroutine method `method` to completion on the loop thread."""
-        return self.portal.call(functools.partial(getattr(self.client, method), *args, **kwargs))
-
-    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a coroutine function to completion on the loop thread."""
-        return self.portal.call(functools.partial(function, *args, **kwargs))
-
-    def start(self, method: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        """Start the client's coroutine method `method` on the loop thread; its future."""
-        return self.portal.start_task_soon(functools.partial(getattr(self.client, method), *args, **kwargs))
-
-    def max_model_len(self) -> int:
-        return self.call("model_info").max_model_len or 4096
-
-    def model_id(self) -> str:
-        return self.call("model_info").id
-
-    def server_info(self) -> dict[str, Any]:
-        return self.call("server_info")
-
-    def update_weights(self, named_tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.call("update_weights", named_tensors)
 
 
 # --- the choice ---------------------------------------------------------------------------------------------
@@ -292,24 +243,11 @@ class WeightSync(abc.ABC):
     def close(self) -> None:  # noqa: B027 -- optional hook, nothing by default
         """Release what the strategy holds (groups, adapters, files); best effort, idempotent."""
 
+    def __enter__(self) -> Self:
+        return self
 
-class CallbackWeightSync(WeightSync):
-    """Merged weights, one at a time, to `send(named_tensors)` on rank 0 (tests; no pause/resume)."""
-
-    kind = "callback"
-
-    def __init__(self, send: Callable[[Iterator[Any]], None] | None, **kwargs: Any) -> None:
-        super().__init__(None, **kwargs)
-        self.send = send
-
-    def _sync(self, model: Any, version: int) -> dict[str, float]:
-        started = time.monotonic()
-        weights = _merged_weights(model)
-        if self.is_main and self.send is not None:
-            self.send(weights)
-        else:
-            _drain(weights)
-        return {"perf/weight_sync_transfer_s": time.monotonic() - started}
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class MergedWeightSync(WeightSync):
@@ -352,8 +290,8 @@ class MergedWeightSync(WeightSync):
 class FileTransfer:
     """Merged weights through one file in /dev/shm (the built-in server on this host reads it).
 
-    Streams: each tensor is written at the next 64-byte boundary as it comes (the layout of
-    `harness.weight_transfer.write_weights_file`), and the manifest, built on the way, is posted after.
+    Streams: each tensor is written as it comes (`harness.weight_transfer.write_weights_file`), and the
+    manifest, built on the way, is posted after.
     """
 
     kind = "file"
@@ -362,37 +300,12 @@ class FileTransfer:
         self.directory = directory
 
     def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        import torch
-
-        from harness.weight_transfer import (
-            FILE_ALIGNMENT_BYTES,
-            WeightManifest,
-            WeightTransferError,
-            default_weights_dir,
-        )
+        from harness.weight_transfer import default_weights_dir, write_weights_file
 
         path = Path(self.directory or default_weights_dir()) / f"agent-harness-weights-{uuid.uuid4().hex}.bin"
         server.call("start_weight_update")
-        names: list[str] = []
-        dtypes: list[str] = []
-        shapes: list[list[int]] = []
         try:
-            position = 0
-            with open(path, "wb") as file:
-                for name, tensor in weights:
-                    position = -(-position // FILE_ALIGNMENT_BYTES) * FILE_ALIGNMENT_BYTES
-                    file.seek(position)
-                    data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-                    file.write(memoryview(data.numpy()))
-                    position += data.numel()
-                    names.append(name)
-                    dtypes.append(str(tensor.dtype).removeprefix("torch."))
-                    shapes.append(list(tensor.shape))
-            manifest = WeightManifest(names, dtypes, shapes)
-            if manifest.file_size() != position:
-                raise WeightTransferError(
-                    f"wrote {position} bytes, the manifest describes {manifest.file_size()}"
-                )
+            manifest = write_weights_file(weights, path)
             server.call("send_weight_manifest", {**manifest.to_update_info(), "path": str(path)})
             server.call("finish_weight_update")
         finally:
@@ -405,16 +318,16 @@ class FileTransfer:
 class BroadcastTransfer:
     """Merged weights broadcast over a process group the server joined (trainer = rank 0).
 
-    The group: for the built-in server a torch.distributed one (`BroadcastGroup.connect`, or
-    `group_factory` with its keyword arguments, through `GenerationClient.init_weight_broadcast`); for a
-    vLLM server `harness.vllm_nccl.VllmNcclGroup` (vLLM's stateless group and pynccl; `vllm_api`: fake vLLM
-    classes for tests), whose /init_weight_transfer_engine and /update_weights bodies carry only the keys
-    vLLM accepts. Per sync: the manifest is derived from the parameters' metadata (no tensor gathered),
-    /update_weights carries it on the client's loop thread while this thread gathers the tensors one by one
-    and hands each closed bucket to a sender thread (the collective has no timeout; the HTTP call has one
-    and returns the server's error). At most two buckets are held: the one being sent and the one being
-    filled. Calling `send` per bucket broadcasts exactly what one `send` of all the tensors would: a
-    bucket's own bucket plan is that one bucket.
+    The group: for the built-in server a torch.distributed one (`harness.weight_transfer.BroadcastGroup`);
+    for a vLLM server `harness.vllm_nccl.VllmNcclGroup` (vLLM's stateless group and pynccl; `vllm_api`: fake
+    vLLM classes for tests), whose /init_weight_transfer_engine and /update_weights bodies carry only the
+    keys vLLM accepts. Either way `connect` runs the trainer's rendezvous and /init_weight_transfer_engine
+    at the same time, as each waits for the other. Per sync: the manifest is derived from the parameters'
+    metadata (no tensor gathered), /update_weights carries it on the client's loop thread while this thread
+    gathers the tensors one by one and hands each closed bucket to a sender thread (the collective has no
+    timeout; the HTTP call has one and returns the server's error). At most two buckets are held: the one
+    being sent and the one being filled. Calling `send` per bucket broadcasts exactly what one `send` of
+    all the tensors would: a bucket's own bucket plan is that one bucket.
     """
 
     kind = "broadcast"
@@ -423,7 +336,6 @@ class BroadcastTransfer:
         self,
         *,
         device: torch.device | str = "cpu",
-        group_factory: Callable[..., Any] | None = None,
         buffer_size_bytes: int | None = None,
         vllm_api: Any = None,
     ) -> None:
@@ -433,38 +345,62 @@ class BroadcastTransfer:
 
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.group_factory = group_factory
         self.buffer_size_bytes = buffer_size_bytes or DEFAULT_BUFFER_SIZE_BYTES
         self.vllm_api = vllm_api
         self.group: Any = None
         self.vllm = False
 
     def connect(self, server: ClientThread, base_url: str) -> None:
+        from harness.vllm_nccl import GenerationClientServer, VllmNcclGroup
+
         builtin = str(server.server_info().get("server", "")).startswith("agent-harness")
         address = _address_towards(base_url)
         port = _free_port(address)
-        if builtin or self.group_factory is not None:
-            self.group = server.call(
-                "init_weight_broadcast",
-                master_address=address,
-                master_port=port,
-                backend=self.backend,
-                device=self.device if self.backend == "nccl" else None,
-                group_factory=self.group_factory,
-            )
+        endpoint = GenerationClientServer(server.client)
+        if builtin:
+            self.group = server.run(self._connect_builtin, endpoint, address, port, server.timeout_s)
             return
-        from harness.vllm_nccl import GenerationClientServer, VllmNcclGroup
-
         self.vllm = True  # VllmUnavailableError (an ImportError naming the fix) when vLLM is not installed
         self.group = server.run(
             VllmNcclGroup.connect_server,
-            GenerationClientServer(server.client),
+            endpoint,
             master_address=address,
             master_port=port,
             device=self.device,
             timeout_s=server.timeout_s,
             vllm=self.vllm_api,
         )
+
+    async def _connect_builtin(
+        self, endpoint: WeightTransferServer, master_address: str, master_port: int, timeout_s: float
+    ) -> BroadcastGroup:
+        """The built-in server's group: the trainer (rank 0) hosts the store, the server's ranks follow."""
+        import anyio
+
+        from harness.vllm_nccl import group_world_size, init_info
+        from harness.weight_transfer import BroadcastGroup
+
+        world_size = group_world_size(await endpoint.get_world_size())
+        connect = functools.partial(
+            BroadcastGroup.connect,
+            master_address=master_address,
+            master_port=master_port,
+            rank=0,
+            world_size=world_size,
+            backend=self.backend,
+            timeout_s=timeout_s,
+            device=self.device,
+        )
+        groups: list[BroadcastGroup] = []
+
+        async def rendezvous() -> None:
+            groups.append(await anyio.to_thread.run_sync(connect))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(rendezvous)
+            body = {**init_info(master_address, master_port, world_size), "backend": self.backend}
+            await endpoint.init_weight_transfer_engine(body)
+        return groups[0]
 
     def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         from harness.weight_transfer import WeightTransferError, plan_buckets
@@ -669,8 +605,6 @@ __all__ = [
     "LORA_DIR",
     "AdapterWeightSync",
     "BroadcastTransfer",
-    "CallbackWeightSync",
-    "ClientThread",
     "FileTransfer",
     "MergedWeightSync",
     "WeightSync",

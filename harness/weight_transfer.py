@@ -18,8 +18,8 @@ Two transports share one manifest (`WeightManifest`: names, dtype names, shapes,
   are vLLM's, but the group is a plain torch.distributed one: a vLLM server forms its group through its
   own stateless process group and pynccl, which this class does not speak.
 
-Who talks to it: `harness.client.GenerationClient.update_weights` (trainer side, file transport);
-`BroadcastGroup` on both sides for the broadcast transport; the built-in server's routes
+Who talks to it: on the trainer's side `harness.weight_sync.FileTransfer` (`write_weights_file`) and
+`harness.weight_sync.BroadcastTransfer` (`BroadcastGroup`, rank 0); the built-in server's routes
 (`harness/server/app.py`) read files and receive broadcasts, then `check_manifest` and `copy_into_model`.
 """
 
@@ -93,7 +93,7 @@ class WeightManifest:
         """Byte offset of each tensor in the file layout (each at the next 64-byte boundary)."""
         offsets, position = [], 0
         for index in range(len(self.names)):
-            position = -(-position // FILE_ALIGNMENT_BYTES) * FILE_ALIGNMENT_BYTES
+            position = _aligned(position)
             offsets.append(position)
             position += self.nbytes(index)
         return offsets
@@ -102,6 +102,11 @@ class WeightManifest:
         if not self.names:
             return 0
         return self.file_offsets()[-1] + self.nbytes(len(self.names) - 1)
+
+
+def _aligned(position: int) -> int:
+    """The first file offset at or after `position` where a tensor may start."""
+    return -(-position // FILE_ALIGNMENT_BYTES) * FILE_ALIGNMENT_BYTES
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -141,18 +146,31 @@ def default_weights_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def write_weights_file(named_tensors: Sequence[tuple[str, torch.Tensor]], path: str | Path) -> WeightManifest:
-    """Write the tensors (any device; copied to CPU one at a time) into `path` in the file layout."""
+def write_weights_file(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str | Path) -> WeightManifest:
+    """Write the tensors into `path` in the file layout as they come; the manifest of what was written.
+
+    Any device: each tensor is copied to the CPU on its own, so a generator of FSDP2 gathers stays one
+    parameter deep.
+    """
     import torch
 
-    manifest = WeightManifest.of(named_tensors)
-    offsets = manifest.file_offsets()
+    names: list[str] = []
+    dtype_names: list[str] = []
+    shapes: list[list[int]] = []
+    position = 0
     with open(path, "wb") as file:
-        file.truncate(manifest.file_size())
-        for (_, tensor), offset in zip(named_tensors, offsets, strict=True):
-            file.seek(offset)
+        for name, tensor in named_tensors:
+            position = _aligned(position)
+            file.seek(position)
             data = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
             file.write(memoryview(data.numpy()))
+            position += data.numel()
+            names.append(name)
+            dtype_names.append(str(tensor.dtype).removeprefix("torch."))
+            shapes.append(list(tensor.shape))
+    manifest = WeightManifest(names, dtype_names, shapes)
+    if manifest.file_size() != position:
+        raise WeightTransferError(f"wrote {position} bytes, the manifest describes {manifest.file_size()}")
     return manifest
 
 

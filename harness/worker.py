@@ -57,6 +57,7 @@ class WorkerChannels:
     exception_info_queue: Any
     metrics_queue: Any
     stop_event: Any
+    held_event: Any
 
     @classmethod
     def create(cls, context: Any, token_allowance: int) -> WorkerChannels:
@@ -69,6 +70,7 @@ class WorkerChannels:
             exception_info_queue=context.Queue(),
             metrics_queue=context.Queue(),
             stop_event=context.Event(),
+            held_event=context.Event(),
         )
 
 
@@ -94,6 +96,7 @@ def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerCha
             exception_info_queue=channels.exception_info_queue,
             metrics_queue=channels.metrics_queue,
             stop_event=channels.stop_event,
+            held_event=channels.held_event,
         )
         anyio.run(loop.run)
         channels.rollout_buffer.put(_Finished())
@@ -232,7 +235,16 @@ class RolloutWorker:
         self.channels.model_version_value.value = version
 
     def set_token_allowance(self, tokens: int) -> None:
+        raised = tokens > self.channels.token_allowance.value
         self.channels.token_allowance.value = tokens
+        if raised:  # `held` described the old allowance; the worker sets it again if it still holds
+            self.channels.held_event.clear()
+
+    @property
+    def held(self) -> bool:
+        """Whether generation waits for a higher token allowance with no group in flight: until the
+        allowance is raised, nothing more reaches the queue."""
+        return self.channels.held_event.is_set()
 
 
 def check_picklable(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:

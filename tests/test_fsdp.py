@@ -3,11 +3,11 @@
 The trainer's real step runs in both set-ups on the same fixed samples (no rollout worker, no generation
 server): rank 0 plans the rows and broadcasts them (`_plan_step` and `_broadcast` inside `_train_step`), each
 rank forwards its row through the FSDP2-sharded tiny Qwen3 (harness/fsdp.py), the gradients are reduced by
-FSDP2, the optimizer steps, and the weight sync gathers the full parameters one at a time for rank 0's
-(fake) client. Two steps (the second with its gradient norm clipped): the loss, the updated weights and the
-gathered weights must equal one process's. Variants: tied embeddings with gradient checkpointing, LoRA
-(merged sync), bf16 mixed precision, a checkpoint saved and resumed under FSDP2, and two GPUs over NCCL
-(marked gpu).
+FSDP2, the optimizer steps, and the weight sync gathers the full parameters one at a time for rank 0 to
+write into the transfer file a fake server reads. Two steps (the second with its gradient norm clipped):
+the loss, the updated weights and the gathered weights must equal one process's. Variants: tied
+embeddings with gradient checkpointing, LoRA (merged sync), bf16 mixed precision, a checkpoint saved and
+resumed under FSDP2, and two GPUs over NCCL (marked gpu).
 
 The ranks are subprocesses running this file (`python tests/test_fsdp.py RANK WORLD PORT DIR MODE`), so
 nothing depends on how pytest imports the test module.
@@ -67,18 +67,31 @@ def samples() -> list[Any]:
     return out
 
 
-class FakeClient:
-    """Stands in for the generation client: keeps the weights the trainer sends."""
+class FakeServer:
+    """Stands in for rank 0's `ClientThread` to a built-in server: keeps the weights each file sync sends."""
 
     def __init__(self) -> None:
         self.weights: dict[str, torch.Tensor] = {}
 
-    def update_weights(self, named_tensors: Any) -> None:
-        for name, tensor in named_tensors:
-            self.weights[name] = tensor.detach().cpu().clone()
+    def call(self, method: str, *args: Any) -> None:
+        if method == "send_weight_manifest":
+            from harness.weight_transfer import WeightManifest, read_weights_file
+
+            (info,) = args
+            for name, tensor in read_weights_file(info["path"], WeightManifest.from_update_info(info)):
+                self.weights[name] = tensor.clone()  # the file is deleted once the sync is done
 
 
 class FakeWorker:
+    """Stands in for the rollout worker: held by its token allowance with nothing more to send, so a step
+    trains on the samples already pending."""
+
+    held = True
+    finished = False
+
+    def get(self, timeout_s: float) -> None:
+        return None
+
     def set_model_version(self, version: int) -> None:
         self.version = version
 
@@ -127,18 +140,24 @@ def constant_reward(completions, **kwargs):
 
 
 def prepare(trainer: Any, resume: str | None = None) -> Any:
-    """What `train()` sets up before its loop, without the server and the worker (fakes on rank 0)."""
+    """What `train()` sets up before its loop, without the server and the worker (fakes on rank 0): the
+    weight sync it opens for a built-in server on this host, merged weights through a file."""
+    from harness.weight_sync import FileTransfer, MergedWeightSync
+
     trainer._setup_run(resume)
     trainer._token_budget = 1024
+    server = FakeServer() if trainer._is_main else None
+    trainer._weight_sync = MergedWeightSync(
+        FileTransfer(), server, is_main=trainer._is_main, world_size=trainer.args.world_size
+    )
     if trainer._is_main:
-        trainer._client = FakeClient()
         trainer.worker = FakeWorker()
     return trainer
 
 
 def step(trainer: Any, max_grad_norm: float) -> dict[str, Any]:
     """One real step on the fixed samples: rank 0 plans and broadcasts, each rank trains its rows, the
-    optimizer steps, the weights are synced to the fake client on rank 0."""
+    optimizer steps, the weights are synced to the fake server on rank 0."""
     plans: list[Any] = []
     train_on_plan = trainer._train_on_plan
 
@@ -160,7 +179,7 @@ def step(trainer: Any, max_grad_norm: float) -> dict[str, Any]:
     return {
         "metrics": metrics,
         "plan": [[[s.sequence.rollout_id for s in row] for row in mb] for mb in plans[-1]["micro_batches"]],
-        "synced": dict(trainer._client.weights) if trainer._is_main else None,
+        "synced": dict(trainer._weight_sync.server.weights) if trainer._is_main else None,
         "step_s": step_s,
     }
 
@@ -220,8 +239,9 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, mode: str) -> None
     gathered = full_parameters(model)
     model_version = trainer.model_version
     resumed_diff = None
-    if precision == "fp32" and rest != ["lora"]:
-        # a checkpoint written under FSDP2 resumes under FSDP2: weights, momentum, and the next step
+    if precision == "fp32":
+        # a checkpoint written under FSDP2 resumes under FSDP2: weights (LoRA: the adapter), momentum, and the
+        # next step
         directory = trainer.save_checkpoint()
         resumed = prepare(make_trainer(output_dir, **overrides), resume=str(directory))
         assert resumed.state.global_step == trainer.state.global_step == 2
@@ -408,13 +428,15 @@ def test_tied_embeddings_two_gloo_processes_train_like_one_process(tmp_path):
 
 def test_lora_two_gloo_processes_sync_merged_weights_like_one_process(tmp_path, initial_parameters):
     """A LoRA policy under FSDP2: the adapter is sharded too, and the weight sync merges each layer's delta,
-    computed from the sharded adapter and gathered, into the gathered base weight."""
+    computed from the sharded adapter and gathered, into the gathered base weight. The adapter's checkpoint
+    resumes under FSDP2 to the same next step."""
     reference = one_process_steps(str(tmp_path / "one" / "out"), lora=True)
     (tmp_path / "two").mkdir()
     ranks = launch(tmp_path / "two", "fp32-cpu-lora")
     assert any(".lora_A." in name for name in ranks[0]["sharded"])
     measured = check_like_one_process(ranks, reference, initial_parameters, tolerance=1e-5)
     report("2 gloo ranks vs 1 process (fp32, LoRA, merged sync)", measured)
+    assert ranks[0]["resumed_diff"] == 0
 
 
 def test_one_process_given_two_rows_trains_like_two_processes(tmp_path, one_process, initial_parameters):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import types
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ import pytest
 from harness.client import Completion, GenerationError, ModelInfo
 from harness.config import AsyncGRPOConfig
 from harness.pacing import TokenGate
+from harness.packing import packed_token_count
 from harness.rollout import AsyncRolloutLoop
 from harness.testing import build_tiny_tokenizer
 from harness.types import GroupResult
@@ -158,7 +160,8 @@ async def test_single_turn_groups_are_scored_and_standardised(tmp_path):
         for sample in result.samples:
             sequence = sample.sequence
             assert sequence.num_trained > 0 and sequence.input_ids[-1] == loop.client.eos
-        assert result.num_tokens == sum(len(s.sequence.input_ids) for s in result.samples)
+        raw = sum(len(s.sequence.input_ids) for s in result.samples)
+        assert result.num_tokens == packed_token_count(result.samples) < raw  # the prompt counted once
     summary = metrics(loop)
     assert summary["reward"] == 0.5 and summary["frac_reward_zero_std"] == 0.0
     assert summary["rewards/exact_reverse/mean"] == 0.5
@@ -347,6 +350,7 @@ async def test_generation_stays_within_the_token_allowance_until_the_trainer_rai
     )
     allowance = 300
     loop.token_allowance = types.SimpleNamespace(value=allowance)
+    loop.held_event = threading.Event()
     results: list[GroupResult] = []
     stop = anyio.Event()
     loop.stop_event = types.SimpleNamespace(is_set=stop.is_set)
@@ -366,14 +370,23 @@ async def test_generation_stays_within_the_token_allowance_until_the_trainer_rai
         produced = await settle()
         largest = max(result.num_tokens for result in results)
         assert allowance <= produced <= allowance + largest  # stopped within one group of it
+        assert loop.held_event.is_set()  # the trainer can tell that nothing more is coming
         held = len(results)
         assert 0 < held < 40
-        loop.token_allowance.value = 3 * allowance
+        loop.token_allowance.value = 2 * allowance
+        with anyio.fail_after(5):
+            while loop.held_event.is_set():
+                await anyio.sleep(0.005)
         produced = await settle()
-        assert len(results) > held and produced <= 3 * allowance + largest
+        assert len(results) > held and produced <= 2 * allowance + largest
+        assert len(results) < 40 and loop.held_event.is_set(), len(results)
         stop.set()
 
     with anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(drive)
             await loop.run()
+    # a group's tokens are counted as packed: its prompt once, not once per rollout
+    first = results[0]
+    raw = sum(len(sample.sequence.input_ids) for sample in first.samples)
+    assert first.num_tokens == packed_token_count(first.samples) < raw

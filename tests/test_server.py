@@ -3,14 +3,15 @@
 One server per module (an EmbeddedServer on a thread, random port). Every numeric check compares against
 a direct forward pass of an identical model built the same way (`build_tiny_qwen3()`, seed 0), with the
 processed log-probs recomputed here by a plain per-position implementation. Tests that change the
-server's weights restore them before they end.
+server's weights restore them before they end. Weight updates are driven the way the trainer drives
+them: `harness.weight_sync.MergedWeightSync` with a file or a broadcast transfer, through a `ClientThread`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import socket
+import types
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,12 @@ import pytest
 import torch
 
 from harness.client import Completion, GenerationClient, SamplingConfig, ServerRequestError
+from harness.client_thread import ClientThread
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
 from harness.server_metrics import ServerLoad, parse_prometheus
 from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
+from harness.weight_sync import BroadcastTransfer, FileTransfer, MergedWeightSync
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 MAX_MODEL_LEN = 256
@@ -362,69 +365,44 @@ def _greedy(server: EmbeddedServer, prompt: list[int]) -> Completion:
 
 def test_weight_update_through_shared_memory_gives_the_new_weights_logprobs(server, reference, tmp_path):
     new_model = build_tiny_qwen3(seed=1)
-
-    async def update(model: torch.nn.Module) -> None:
-        async with client_for(server) as client:
-            await client.update_weights(model.named_parameters(), directory=tmp_path)
-            assert not await client.is_paused()
-
     _, before = run(metrics_load, server)
-    run(update, new_model)
-    try:
-        completion = _greedy(server, PROMPTS[0])
-        assert_matches_forward(new_model, PROMPTS[0], completion)
-        _, after = run(metrics_load, server)
-        assert after["harness:weight_version"] == before["harness:weight_version"] + 1
-        assert list(tmp_path.iterdir()) == []  # the transfer file is gone
-    finally:
-        run(update, reference)
+    with ClientThread(server.base_url, 60) as client:
+        sync = MergedWeightSync(FileTransfer(tmp_path), client)
+        sync.sync(new_model, 1)
+        try:
+            assert not client.call("is_paused")
+            assert list(tmp_path.iterdir()) == []  # the transfer file is gone
+            assert_matches_forward(new_model, PROMPTS[0], _greedy(server, PROMPTS[0]))
+            _, after = run(metrics_load, server)
+            assert after["harness:weight_version"] == before["harness:weight_version"] + 1
+        finally:
+            sync.sync(reference, 2)
     assert_matches_forward(reference, PROMPTS[0], _greedy(server, PROMPTS[0]))
 
 
-def test_a_bad_manifest_is_refused_and_changes_nothing(server, reference, tmp_path):
-    bad = [("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))]
-
-    async def main() -> None:
-        async with client_for(server) as client:
-            try:
-                await client.update_weights(bad, directory=tmp_path)
-            finally:
-                await client.resume()  # a failed sync leaves the server paused, as vLLM does
-
-    with pytest.raises(ServerRequestError, match="shape"):
-        run(main)
+def test_a_bad_manifest_is_refused_changes_nothing_and_the_server_resumes(server, reference, tmp_path):
+    bad = types.SimpleNamespace(
+        named_parameters=lambda: iter([("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))])
+    )
+    with ClientThread(server.base_url, 60) as client:
+        with pytest.raises(ServerRequestError, match="shape"):
+            MergedWeightSync(FileTransfer(tmp_path), client).sync(bad, 1)
+        assert not client.call("is_paused")
+    assert list(tmp_path.iterdir()) == []
     assert_matches_forward(reference, PROMPTS[1], _greedy(server, PROMPTS[1]))
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_weight_update_through_a_broadcast_group(server, reference):
-    """The NCCL path's protocol, run with gloo on CPU: init the group, then pause/broadcast/finish/resume."""
+    """The NCCL path's protocol, run with gloo on CPU: the group formed once, then two syncs over it."""
     new_model = build_tiny_qwen3(seed=2)
-
-    async def main() -> None:
-        async with client_for(server) as client:
-            group = await client.init_weight_broadcast(
-                master_address="127.0.0.1", master_port=_free_port(), backend="gloo", timeout_s=30
-            )
-            try:
-                # A small buffer so the tensors travel in several buckets.
-                await client.update_weights_broadcast(
-                    group, new_model.named_parameters(), buffer_size_bytes=20_000
-                )
-                completion = await client.generate(
-                    PROMPTS[3], SamplingConfig(max_tokens=10, temperature=0.0, num_logprobs=0)
-                )
-                assert_matches_forward(new_model, PROMPTS[3], completion)
-                await client.update_weights_broadcast(group, reference.named_parameters())
-            finally:
-                group.close()
-
-    run(main)
+    with ClientThread(server.base_url, 60) as client:
+        # A small buffer so the tensors travel in several buckets.
+        transfer = BroadcastTransfer(device="cpu", buffer_size_bytes=20_000)
+        transfer.connect(client, server.base_url)
+        with MergedWeightSync(transfer, client) as sync:
+            sync.sync(new_model, 1)
+            assert_matches_forward(new_model, PROMPTS[3], _greedy(server, PROMPTS[3]))
+            sync.sync(reference, 2)
     assert_matches_forward(reference, PROMPTS[3], _greedy(server, PROMPTS[3]))
 
 

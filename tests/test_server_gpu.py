@@ -6,16 +6,16 @@ server on cuda:1, as NCCL refuses two ranks on one device.
 
 from __future__ import annotations
 
-import socket
-
 import anyio
 import pytest
 import torch
 
 from harness.client import Completion, GenerationClient, SamplingConfig
+from harness.client_thread import ClientThread
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
 from harness.testing import build_tiny_qwen3
+from harness.weight_sync import BroadcastTransfer, FileTransfer, MergedWeightSync
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 61)), [3]]
@@ -59,13 +59,9 @@ def test_cuda_server_matches_a_direct_forward():
 
 def test_cuda_weight_update_through_shared_memory():
     new_model = build_tiny_qwen3(seed=3).to("cuda")
-
-    async def update(url: str) -> None:
-        async with GenerationClient(url, timeout_s=120) as client:
-            await client.update_weights(new_model.named_parameters())
-
     with serve_tiny("cuda") as server:
-        anyio.run(update, server.base_url)
+        with ClientThread(server.base_url, 120) as client:
+            MergedWeightSync(FileTransfer(), client).sync(new_model, 1)
         (completion,) = greedy(server.base_url, PROMPTS[:1])
     assert_matches(new_model, PROMPTS[0], completion, atol=1e-3)
 
@@ -73,24 +69,11 @@ def test_cuda_weight_update_through_shared_memory():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL between trainer and server needs two GPUs")
 def test_nccl_weight_update_between_two_gpus():
     new_model = build_tiny_qwen3(seed=4).to("cuda:0")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-
-    async def main(url: str) -> None:
-        torch.cuda.set_device(0)
-        async with GenerationClient(url, timeout_s=120) as client:
-            group = await client.init_weight_broadcast(
-                master_address="127.0.0.1", master_port=port, backend="nccl"
-            )
-            try:
-                await client.update_weights_broadcast(
-                    group, new_model.named_parameters(), buffer_size_bytes=50_000
-                )
-            finally:
-                group.close()
-
     with serve_tiny("cuda:1") as server:
-        anyio.run(main, server.base_url)
+        with ClientThread(server.base_url, 120) as client:
+            transfer = BroadcastTransfer(device="cuda:0", buffer_size_bytes=50_000)
+            transfer.connect(client, server.base_url)
+            with MergedWeightSync(transfer, client) as sync:
+                sync.sync(new_model, 1)
         (completion,) = greedy(server.base_url, PROMPTS[:1])
     assert_matches(new_model, PROMPTS[0], completion, atol=1e-3)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from harness.client import SamplingConfig
+from harness.client_thread import ClientThread
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
 from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
@@ -24,7 +25,6 @@ from harness.weight_sync import (
     LORA_DIR,
     AdapterWeightSync,
     BroadcastTransfer,
-    ClientThread,
     MergedWeightSync,
     WeightSyncPlan,
     adapter_name,
@@ -391,8 +391,7 @@ def test_broadcast_transfer_over_gloo_leaves_the_server_with_the_trainers_weight
         # A small buffer: the weights travel in many buckets, each handed over as it fills.
         transfer = BroadcastTransfer(device="cpu", buffer_size_bytes=20_000)
         transfer.connect(client, server.base_url)
-        sync = MergedWeightSync(transfer, client)
-        try:
+        with MergedWeightSync(transfer, client) as sync:
             metrics = sync.sync(model, 1)
             assert metrics["perf/weight_sync_transfer_s"] > 0
             served_weights_equal(server, model)
@@ -401,8 +400,7 @@ def test_broadcast_transfer_over_gloo_leaves_the_server_with_the_trainers_weight
             sync.sync(model, 2)
             served_weights_equal(server, model)
             assert not client.call("is_paused")
-        finally:
-            sync.close()
+        assert transfer.group is None  # leaving `with` closed the group
 
 
 @pytest.mark.slow

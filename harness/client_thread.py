@@ -1,0 +1,72 @@
+"""The trainer's blocking handle on the async `GenerationClient`.
+
+The trainer is synchronous; the client is a set of coroutines. `ClientThread` owns an anyio event loop
+on a private thread, builds the client there and runs its coroutines to completion from the calling
+thread. Rank 0 of the trainer opens one per run (`harness/trainer.py`); the weight-sync strategies
+(`harness/weight_sync.py`) drive every server call of a sync through it.
+
+    with ClientThread("http://localhost:8000", timeout_s=1800) as server:   # waits until ready
+        server.call("pause", "keep")                  # a client coroutine, by name
+        reply = server.start("send_weight_manifest", info)   # started; a concurrent.futures.Future
+        server.call("resume")
+
+Closing (leaving `with`) closes the client on its loop, then stops the loop thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+
+class ClientThread:
+    """A GenerationClient on a private event-loop thread, for the synchronous trainer."""
+
+    def __init__(self, base_url: str, timeout_s: float = 1800.0):
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> ClientThread:
+        from anyio.from_thread import start_blocking_portal
+
+        from harness.client import GenerationClient
+
+        self._portal_cm = start_blocking_portal()
+        self.portal = self._portal_cm.__enter__()
+        self.client = self.portal.call(
+            lambda: GenerationClient(self.base_url, timeout_s=self.timeout_s, max_concurrency=4)
+        )
+        self.portal.call(self.client.wait_until_ready)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with contextlib.suppress(Exception):
+            self.portal.call(self.client.aclose)
+        self._portal_cm.__exit__(None, None, None)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the client's coroutine method `method` to completion on the loop thread."""
+        return self.portal.call(functools.partial(getattr(self.client, method), *args, **kwargs))
+
+    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a coroutine function to completion on the loop thread."""
+        return self.portal.call(functools.partial(function, *args, **kwargs))
+
+    def start(self, method: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        """Start the client's coroutine method `method` on the loop thread; its future."""
+        return self.portal.start_task_soon(functools.partial(getattr(self.client, method), *args, **kwargs))
+
+    def max_model_len(self) -> int:
+        return self.call("model_info").max_model_len or 4096
+
+    def model_id(self) -> str:
+        return self.call("model_info").id
+
+    def server_info(self) -> dict[str, Any]:
+        return self.call("server_info")
+
+
+__all__ = ["ClientThread"]
