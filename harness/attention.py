@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -487,19 +487,50 @@ def prepare_model_for_tree_attention(model: nn.Module) -> nn.Module:
     return model
 
 
-def packed_forward(model: nn.Module, row: PackedRow, *, backend: Backend = "auto") -> torch.Tensor:
+@overload
+def packed_forward(
+    model: nn.Module,
+    row: PackedRow,
+    *,
+    backend: Backend = "auto",
+    output_router_logits: Literal[False] = False,
+) -> torch.Tensor: ...
+
+
+@overload
+def packed_forward(
+    model: nn.Module, row: PackedRow, *, backend: Backend = "auto", output_router_logits: Literal[True]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...
+
+
+def packed_forward(
+    model: nn.Module, row: PackedRow, *, backend: Backend = "auto", output_router_logits: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Run the model's decoder (no LM head) over one packed row; returns hidden states [T, hidden].
 
     The row must be on the model's device (`row.to(device)`); the LM head is left to `harness.logprobs`,
-    which only evaluates it at the trained tokens' predecessors.
+    which only evaluates it at the trained tokens' predecessors. With `output_router_logits=True` (a
+    Mixture-of-Experts model) returns `(hidden_T_H, router_logits_L)` instead: one [T, num_experts] tensor
+    per MoE layer, for the load-balancing loss (`harness.moe.router_aux_loss`).
     """
     if _text_config(model.config)._attn_implementation != ATTENTION_NAME:
         raise TreeAttentionError("call prepare_model_for_tree_attention(model) before packed_forward")
     tree = TreeMask.from_row(row, backend)
+    router_kwargs = {"output_router_logits": True} if output_router_logits else {}
     outputs = model.get_decoder()(
         input_ids=row.input_ids[None],
         position_ids=row.position_ids[None],
         tree_mask=tree,
         use_cache=False,
+        **router_kwargs,
     )
-    return outputs.last_hidden_state[0]
+    hidden_T_H = outputs.last_hidden_state[0]
+    if not output_router_logits:
+        return hidden_T_H
+    router_logits_L = getattr(outputs, "router_logits", None)
+    if not router_logits_L:
+        raise TreeAttentionError(
+            f"{type(model).__name__}'s decoder returned no router logits: output_router_logits=True needs a "
+            "Mixture-of-Experts model"
+        )
+    return hidden_T_H, tuple(router_logits_L)

@@ -67,7 +67,11 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that ship code."))
     router_aux_loss_coef: float | None = field(
-        default=None, **_help("Weight of a MoE model's load-balancing loss; None uses the model config's.")
+        default=None,
+        **_help(
+            "Weight of a Mixture-of-Experts model's load-balancing loss (logged as aux_loss); None uses the "
+            "model config's, 0.0 disables it. Setting it for a dense model raises."
+        ),
     )
 
     # --- generation -----------------------------------------------------------------------------------

@@ -366,7 +366,7 @@ class GRPOSettings:
     num_generations: int = 8
     learning_rate: float = 5e-4
     lora_rank: int = 16
-    token_budget: int = 1600
+    token_budget: int = 640  # a step is filled from kept groups: about two per step (~300 packed tokens each)
     max_completion_length: int = 48
     max_tool_calling_iterations: int = 2
     temperature: float = 1.0

@@ -428,6 +428,8 @@ class AsyncRolloutLoop:
         blocked = time.monotonic() - started
         if blocked > 1e-3:
             self.window.add("rollout/score_block_s", blocked)
+        # completed groups waiting for a scorer (this one included, unless a scorer took it already)
+        self.window.add("rollout/score_queue_size", self.score_send.statistics().current_buffer_used)
 
     def served_model(self) -> str | None:
         """The model name a request sends: the rollout's adapter version under adapter sync (pinned when

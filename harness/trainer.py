@@ -5,8 +5,9 @@
 
 What `train()` does, in order (the step itself is `_train_step` with `_train_on_plan`, readable in one place):
 
-    start the generation server (the configured URL, or the built-in server on the model)
-    start the rollout worker (a spawned process running `loop_cls`, see harness/rollout.py)
+    start the generation server (the configured URL, or the built-in server on the model), the weight sync
+        and the rollout worker (a spawned process running `loop_cls`, see harness/rollout.py), each as
+        harness/generation_side.py says
     repeat until max_steps, or until num_train_epochs passes over the prompts are trained on:
         pull group results until a step's rows are full, dropping samples more than max_staleness
             versions old
@@ -14,7 +15,7 @@ What `train()` does, in order (the step itself is `_train_step` with `_train_on_
             trained tokens (harness/loss.py), backward; one optimizer step
         every weight_sync_steps: push the policy to the server (harness/weight_sync.py: a LoRA adapter, or
             merged weights through a file or a broadcast), bump the policy version
-        raise the worker's token allowance; log; checkpoint (with rollout_state.json)
+        raise the worker's token allowance; log; checkpoint (harness/checkpointing.py)
     stop the worker (its environments and sandboxes close), then the server
 
 The trainer extends `transformers.Trainer` for what that does well (optimizer and scheduler creation,
@@ -23,8 +24,8 @@ callbacks, report_to integrations, model saving); the training loop is its own. 
 the policy is sharded over the processes with FSDP2 (harness/fsdp.py), whose reduce-scatter sums the rows'
 gradients; the weight sync gathers one full parameter at a time for rank 0 to send. Every process also helps
 write what rank 0 alone saves: the folder a built-in server starts on (for a model object or a resumed run)
-and each checkpoint. A checkpoint holds the one-process files, so a run resumes on any number of processes:
-rank 0 loads the weights into its full model before sharding and broadcasts them.
+and each checkpoint. What a checkpoint holds and how a run resumes from it, on any number of processes, is
+harness/checkpointing.py (`CheckpointMixin`, which this trainer inherits).
 """
 
 from __future__ import annotations
@@ -33,10 +34,8 @@ import contextlib
 import json
 import logging
 import math
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,27 +45,23 @@ from transformers.trainer_utils import TrainOutput
 
 from environments.routing import check_routes, resolve_environments
 from harness.attention import prepare_model_for_tree_attention
+from harness.checkpointing import CheckpointMixin
 from harness.client_thread import ClientThread as _ClientThread
 from harness.config import AsyncGRPOConfig
 from harness.flops import device_peak_flops, training_flops
+from harness.generation_side import GenerationSideMixin
 from harness.loss import LossConfig, fused_policy_loss
 from harness.metrics import MetricsWindow
+from harness.moe import router_aux_loss, router_aux_loss_coef
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
 from harness.rollout import AsyncRolloutLoop
 from harness.types import GroupResult, TrainingSample
-from harness.weight_sync import (
-    WeightSync,
-    build_weight_sync,
-    check_no_lm_head_adapter,
-    plan_weight_sync,
-)
-from harness.worker import RolloutWorker
+from harness.weight_sync import WeightSync, check_no_lm_head_adapter
 
 log = logging.getLogger(__name__)
-ROLLOUT_STATE_FILE = "rollout_state.json"
 
 
-class AsyncGRPOTrainer(Trainer):
+class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
     """Asynchronous GRPO trainer (the reference's constructor; see the module docstring)."""
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
@@ -105,6 +100,8 @@ class AsyncGRPOTrainer(Trainer):
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         prepare_model_for_tree_attention(model)
+        # resolved once: a coefficient set for a dense model raises here, before anything starts
+        self.router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
 
         if reward_funcs is None:
             reward_funcs = []
@@ -213,7 +210,7 @@ class AsyncGRPOTrainer(Trainer):
 
         An accelerate FSDP config chooses the settings (it must be `fsdp_version: 2`); without one, FSDP2 with
         the config's precision (bf16/fp16: float32 master weights, compute in the half type). Resuming, the
-        checkpoint's weights are loaded first (`_load_weights_before_sharding`).
+        checkpoint's weights are loaded first (`_load_weights_before_sharding`, harness/checkpointing.py).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -293,22 +290,29 @@ class AsyncGRPOTrainer(Trainer):
         row each in a real step, every row when one process is given a plan made for several. Each row's
         loss is normalised by the trained tokens of its whole micro-batch, over all rows, and by the number
         of micro-batches, so the gradients summed over rows, processes and micro-batches are the reference's
-        mean, however the rows are spread over processes. Returns the step's loss (that sum, the same on
-        every process) and the metrics of all rows.
+        mean, however the rows are spread over processes. A Mixture-of-Experts policy with a nonzero
+        `router_aux_loss_coef` adds that times each row's load-balancing loss (harness/moe.py) over the
+        step's number of rows, so the gradients sum to the coefficient times the rows' mean aux loss.
+        Returns the step's loss (that sum, the same on every process) and the metrics of all rows.
         """
         args: AsyncGRPOConfig = self.args
         world, rank = args.world_size, args.process_index
         micro_batches = plan_rows["micro_batches"]
         self.model.train()
         fwd_bwd_started = time.monotonic()
+        forward_s = 0.0
         metrics = MetricsWindow()
         step_loss = torch.zeros((), dtype=torch.float64)
+        num_rows = sum(len(micro_batch) for micro_batch in micro_batches)  # over all processes
         for micro_batch in micro_batches:
             trained_global = sum(sum(s.sequence.num_trained for s in row) for row in micro_batch)
             for samples in micro_batch[rank::world]:
                 row = pack_row(samples).to(self.args.device)
+                forward_started = time.monotonic()
                 with self.compute_loss_context_manager():
-                    hidden_T_H = _decoder_forward(self.model, row)
+                    hidden_T_H, router_logits_L = _decoder_forward(
+                        self.model, row, output_router_logits=bool(self.router_aux_loss_coef)
+                    )
                     output = fused_policy_loss(
                         hidden_T_H,
                         row,
@@ -318,11 +322,18 @@ class AsyncGRPOTrainer(Trainer):
                         gradient_accumulation_steps=len(micro_batches),
                         temperature=args.temperature,
                     )
+                    loss, aux_loss = output.loss, None
+                    if router_logits_L is not None:
+                        aux_loss = router_aux_loss(router_logits_L, self.model.config)
+                        loss = loss + self.router_aux_loss_coef * aux_loss / num_rows
+                forward_s += _seconds_since(forward_started, row.input_ids.device)
                 # FSDP2 averages gradients over the processes; the normalisation above needs their sum
-                self.accelerator.backward(output.loss * world)
-                step_loss += output.loss.detach().double().cpu()
+                self.accelerator.backward(loss * world)
+                step_loss += loss.detach().double().cpu()
                 for name, value in output.metrics.items():
                     metrics.add(name, float(value), weight=max(output.num_trained_tokens, 1))
+                if aux_loss is not None:
+                    metrics.add("aux_loss", float(aux_loss.detach()))  # unscaled, a mean over rows
         fwd_bwd_s = time.monotonic() - fwd_bwd_started
         optimizer_started = time.monotonic()
         if args.max_grad_norm:
@@ -334,7 +345,14 @@ class AsyncGRPOTrainer(Trainer):
         if world > 1:
             step_loss, metrics = self._reduce_step_metrics(step_loss, metrics)
         out = metrics.summary()
-        out.update({"loss": float(step_loss), "perf/fwd_bwd_s": fwd_bwd_s, "perf/optimizer_s": optimizer_s})
+        out.update(
+            {
+                "loss": float(step_loss),
+                "perf/fwd_bwd_s": fwd_bwd_s,
+                "perf/fwd_s": forward_s,
+                "perf/optimizer_s": optimizer_s,
+            }
+        )
         return out
 
     def _reduce_step_metrics(
@@ -500,114 +518,7 @@ class AsyncGRPOTrainer(Trainer):
             self.worker.set_model_version(self.model_version)
         return timings
 
-    def _open_weight_sync(self, base_url: str) -> WeightSync:
-        """Choose (rank 0, from the server's /server_info) and start the weight-sync strategy, every rank."""
-        args: AsyncGRPOConfig = self.args
-        plan = None
-        if self._is_main:
-            plan = plan_weight_sync(
-                self.model, self._client.server_info(), base_url=base_url, max_staleness=args.max_staleness
-            )  # logs its choice and why
-        plan = self._broadcast(plan)
-        sync = build_weight_sync(
-            plan,
-            server=self._client if self._is_main else None,
-            is_main=self._is_main,
-            world_size=args.world_size,
-            output_dir=args.output_dir,
-            max_staleness=args.max_staleness,
-            device=self.args.device,
-            base_url=base_url,
-        )
-        try:
-            sync.start(self.model, self.model_version)
-        except BaseException:
-            sync.close()
-            raise
-        return sync
-
     # --- processes --------------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _generation_server(self) -> Iterator[str]:
-        """Rank 0: the server's base URL, the configured one or that of a built-in server it starts; "" on the
-        other processes. Every process enters it: a built-in server on other weights than `model_path`'s (a
-        model object, a resumed run) loads a folder that every process helps write."""
-        from harness.server.launch import open_generation_server
-
-        args: AsyncGRPOConfig = self.args
-        url = args.vllm_server_base_url
-        builtin = self._broadcast(
-            (args.generation_server == "builtin" or (args.generation_server == "auto" and not _answers(url)))
-            if self._is_main
-            else None
-        )
-        with contextlib.ExitStack() as stack:
-            model_path = self.model_path
-            if builtin and (model_path is None or self.state.global_step or self.model_version):
-                model_path = stack.enter_context(self._saved_model_for_server())
-            base_url = ""
-            if self._is_main:
-                base_url = stack.enter_context(
-                    open_generation_server(
-                        None if builtin else url,
-                        model=model_path,
-                        device=args.builtin_server_device or ("cuda" if torch.cuda.is_available() else "cpu"),
-                        max_model_len=args.builtin_server_max_model_len,
-                    )
-                )
-            yield base_url
-
-    @contextlib.contextmanager
-    def _saved_model_for_server(self) -> Iterator[str]:
-        """The current weights (LoRA merged in) in a temporary folder on rank 0 for a built-in server to load;
-        "" on the other processes. A collective under FSDP2: every process gathers each parameter in turn."""
-        from harness.peft_sync import merged_named_parameters
-
-        directory = tempfile.mkdtemp(prefix="agent-harness-model-") if self._is_main else ""
-        try:
-            state = {}
-            for name, tensor in merged_named_parameters(self.model):
-                if self._is_main:
-                    state[name] = tensor.to("cpu")
-            if self._is_main:
-                base = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
-                base.save_pretrained(directory, state_dict=state)
-                self.processing_class.save_pretrained(directory)
-            del state
-            yield directory
-        finally:
-            if directory:
-                shutil.rmtree(directory, ignore_errors=True)
-
-    def _start_worker(self, base_url: str) -> RolloutWorker:
-        args: AsyncGRPOConfig = self.args
-        worker_args = _replace(args, vllm_server_base_url=base_url)
-        eos_ids = _eos_token_ids(self.processing_class, self.model)
-        loop_kwargs: dict[str, Any] = {}
-        prefix = self._weight_sync.adapter_prefix if self._weight_sync else None
-        if prefix is not None:  # adapter sync: the worker names the newest version it knows
-            loop_kwargs["lora_name_prefix"] = prefix
-        worker = RolloutWorker(
-            self.loop_cls,
-            {
-                **loop_kwargs,
-                "config": worker_args,
-                "model_name": self._client.model_id(),
-                "dataset": self.train_dataset,
-                "reward_funcs": self.reward_funcs,
-                "processing_class": self.processing_class,
-                "eos_token_ids": eos_ids,
-                "tools": self.tools,
-                "environment_factory": self.environment_factory,
-                "dataset_start_index": self.trained_frontier,
-            },
-            heartbeat_timeout_s=args.rollout_worker_timeout,
-            initial_token_allowance=self._token_allowance(),
-        )
-        worker.start()
-        worker.set_model_version(self.model_version)
-        return worker
 
     def _broadcast(self, value: Any) -> Any:
         """Rank 0's value on every rank (rank 0 feeds the others their rows)."""
@@ -619,114 +530,30 @@ class AsyncGRPOTrainer(Trainer):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    # --- checkpoints ---------------------------------------------------------------------------------
-
-    def save_checkpoint(self) -> Path:
-        """Model, optimizer and scheduler state, and rollout_state.json (where the prompts resume)."""
-        directory = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
-        if self._is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-        if self._sharded:
-            # FSDP2: every process helps gather the full state dicts, rank 0 writes the usual files (a PEFT
-            # model's: its adapter alone, so the frozen base is not gathered)
-            from harness.fsdp import full_state_dicts
-
-            peft = hasattr(self.model, "peft_config")
-            model_state, optimizer_state = full_state_dicts(self.model, self.optimizer, trainable_only=peft)
-            if self._is_main:
-                self.model.save_pretrained(str(directory), state_dict=model_state)
-                self.processing_class.save_pretrained(str(directory))
-                torch.save(self.args, directory / "training_args.bin")
-            del model_state
-        else:
-            self.save_model(str(directory))
-            optimizer_state = self.optimizer.state_dict()
-        if self._is_main:
-            torch.save(optimizer_state, directory / "optimizer.pt")
-            torch.save(self.lr_scheduler.state_dict(), directory / "scheduler.pt")
-            state = {
-                "trained_position": self.trained_frontier,
-                "model_version": self.model_version,
-                "global_step": self.state.global_step,
-                "tokens_consumed": self.tokens_consumed,
-                "num_tokens": self.num_tokens_total,
-                "prompts_done": getattr(self, "prompts_done", 0),
-            }
-            (directory / ROLLOUT_STATE_FILE).write_text(json.dumps(state, indent=2))
-            self.state.save_to_json(str(directory / "trainer_state.json"))
-        if self.args.world_size > 1:
-            self.accelerator.wait_for_everyone()  # the checkpoint is whole before any process goes on
-        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        return directory
-
-    def _checkpoint_directory(self, checkpoint: str | bool) -> Path:
-        """The folder `resume_from_checkpoint` names: a path, or True for the last one in output_dir."""
-        directory = (
-            Path(checkpoint) if isinstance(checkpoint, str) else _last_checkpoint(self.args.output_dir)
-        )
-        if directory is None:
-            raise FileNotFoundError(f"no checkpoint to resume from in {self.args.output_dir}")
-        return directory
-
-    def _resume(self, directory: Path) -> None:
-        """A checkpoint's optimizer, scheduler and rollout state; its weights too, unless FSDP2 loaded them
-        before sharding (`_load_weights_before_sharding`)."""
-        state = json.loads((directory / ROLLOUT_STATE_FILE).read_text())
-        if self._sharded:
-            from harness.fsdp import load_full_optimizer_state_dict
-
-            optimizer_state = {}
-            if self._is_main:
-                optimizer_state = torch.load(directory / "optimizer.pt", weights_only=True)
-            load_full_optimizer_state_dict(self.model, self.optimizer, optimizer_state)
-        else:
-            self._load_from_checkpoint(str(directory))
-            self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
-        self.lr_scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
-        self.trained_frontier = state["trained_position"]
-        self.model_version = state["model_version"]
-        self.state.global_step = state["global_step"]
-        self.tokens_consumed = state["tokens_consumed"]
-        self.num_tokens_total = state["num_tokens"]
-        self.prompts_done = state["prompts_done"]
-
-    @property
-    def _sharded(self) -> bool:
-        from harness.fsdp import is_sharded
-
-        return self.args.world_size > 1 and is_sharded(self.model)
-
-    def _load_weights_before_sharding(self, directory: Path) -> None:
-        """FSDP2 resume: rank 0 loads the checkpoint's weights into its full model (what a one-process
-        checkpoint holds: a PEFT model's adapter, else the whole model), then every process takes rank 0's
-        trainable parameters (a full model: every tensor), so the shards start from them. A collective."""
-        from harness.fsdp import broadcast_from_rank0
-
-        model = self.model
-        peft = hasattr(model, "peft_config")
-        if self._is_main and peft:
-            model.load_adapter(str(directory), adapter_name=model.active_adapter, is_trainable=True)
-        elif self._is_main:
-            # from_pretrained, not the raw files: it undoes whatever weight renaming the model's saving did
-            dtype = next(iter(model.parameters())).dtype
-            saved = type(model).from_pretrained(str(directory), dtype=dtype)
-            model.load_state_dict(saved.state_dict())
-            del saved
-        tensors = [p for p in model.parameters() if p.requires_grad] if peft else model.state_dict().values()
-        broadcast_from_rank0(tensors)
-
 
 # --- helpers ----------------------------------------------------------------------------------------------
+
+
+def _seconds_since(started: float, device: torch.device) -> float:
+    """Seconds since `started` once the device's queued work is done (GPU kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic() - started
 
 
 def _token_shares(samples: Sequence[TrainingSample]) -> float:
     return math.fsum(sample.token_share for sample in samples)
 
 
-def _decoder_forward(model: Any, row: Any) -> torch.Tensor:
+def _decoder_forward(
+    model: Any, row: Any, *, output_router_logits: bool
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """The row's hidden states, and the router logits of a MoE model when asked for (else None)."""
     from harness.attention import packed_forward
 
-    return packed_forward(model, row)
+    if output_router_logits:
+        return packed_forward(model, row, output_router_logits=True)
+    return packed_forward(model, row), None
 
 
 def _lm_head_weight(model: Any) -> torch.Tensor:
@@ -746,52 +573,11 @@ def _lm_head_weight(model: Any) -> torch.Tensor:
     return weight
 
 
-def _named_weights_for_server(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base model's parameters under their checkpoint names, LoRA merged in, one at a time."""
-    from harness.peft_sync import merged_named_parameters
-
-    yield from merged_named_parameters(model)
-
-
 def _apply_peft(model: Any, peft_config: Any) -> Any:
     from peft import get_peft_model
 
     check_no_lm_head_adapter(peft_config)
     return get_peft_model(model, peft_config)
-
-
-def _eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    config_eos = getattr(model.config, "eos_token_id", None)
-    ids |= set(config_eos) if isinstance(config_eos, list) else {config_eos}
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return sorted(i for i in ids if i is not None)
-
-
-def _answers(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-def _replace(args: AsyncGRPOConfig, **changes: Any) -> AsyncGRPOConfig:
-    import copy
-
-    clone = copy.copy(args)
-    for key, value in changes.items():
-        setattr(clone, key, value)
-    return clone
-
-
-def _last_checkpoint(output_dir: str) -> Path | None:
-    checkpoints = sorted(Path(output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    return checkpoints[-1] if checkpoints else None
 
 
 def _sized(dataset: Any) -> bool:

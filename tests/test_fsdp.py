@@ -192,9 +192,9 @@ def run_steps(trainer: Any, clipping: tuple[float, ...] = (NO_CLIPPING, CLIP_NOR
 
 
 def full_parameters(model: Any) -> dict[str, torch.Tensor]:
-    from harness.trainer import _named_weights_for_server
+    from harness.peft_sync import merged_named_parameters
 
-    return {name: tensor.detach().cpu().clone() for name, tensor in _named_weights_for_server(model)}
+    return {name: tensor.detach().cpu().clone() for name, tensor in merged_named_parameters(model)}
 
 
 # --- one rank of the two-process run ---------------------------------------------------------------------

@@ -24,11 +24,13 @@ from harness.testing import (
     build_tiny_llama,
     build_tiny_qwen3,
     build_tiny_qwen3_5,
+    build_tiny_qwen3_moe,
     build_tiny_tokenizer,
     load_qwen_tokenizer,
     tiny_llama_config,
     tiny_qwen3_5_config,
     tiny_qwen3_config,
+    tiny_qwen3_moe_config,
 )
 
 # ----------------------------------------------------------------------------------------------------------
@@ -299,6 +301,7 @@ BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
     "qwen3": build_tiny_qwen3,
     "llama": build_tiny_llama,
     "qwen3_5": build_tiny_qwen3_5,
+    "qwen3_moe": build_tiny_qwen3_moe,
 }
 
 
@@ -354,7 +357,7 @@ def test_tiny_model_generates(tiny_tokenizer, name: str) -> None:
 
 
 def test_tiny_model_token_ids_match_tokenizer(tiny_tokenizer) -> None:
-    for config in (tiny_qwen3_config(), tiny_llama_config(), tiny_qwen3_5_config()):
+    for config in (tiny_qwen3_config(), tiny_llama_config(), tiny_qwen3_5_config(), tiny_qwen3_moe_config()):
         assert config.vocab_size == len(tiny_tokenizer)
         assert config.eos_token_id == tiny_tokenizer.eos_token_id
         assert config.pad_token_id == tiny_tokenizer.pad_token_id

@@ -111,6 +111,8 @@ def test_reward_functions_sync_async_and_tools(tmp_path, tiny_model_dir):
         "entropy",
         "batch/packing_ratio",
         "perf/step_s",
+        "perf/fwd_s",
+        "rollout/score_queue_size",
         "sample/staleness_max",
         "completions/mean_length",
         "perf/weight_sync_s",
@@ -118,6 +120,7 @@ def test_reward_functions_sync_async_and_tools(tmp_path, tiny_model_dir):
         "num_tokens",
     ):
         assert name in metrics and math.isfinite(metrics[name]), name
+    assert 0 < metrics["perf/fwd_s"] < metrics["perf/fwd_bwd_s"]  # the forward alone, without the backward
     assert_no_leftover_processes(trainer)
 
 

@@ -14,7 +14,7 @@ from harness.attention import (
 )
 from harness.logprobs import row_logprobs
 from harness.packing import pack_row
-from harness.testing import build_tiny_llama, build_tiny_qwen3, build_tiny_qwen3_5
+from harness.testing import build_tiny_llama, build_tiny_qwen3, build_tiny_qwen3_5, build_tiny_qwen3_moe
 from harness.types import TrainingSample, TrainingSequence
 
 
@@ -106,6 +106,10 @@ def test_qwen3_packed_equals_unpacked():
 
 def test_llama_packed_equals_unpacked():
     check_exact(build_tiny_llama)
+
+
+def test_qwen3_moe_packed_equals_unpacked():
+    check_exact(build_tiny_qwen3_moe)
 
 
 def test_qwen3_sliding_window_layers_are_respected():

