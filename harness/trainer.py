@@ -391,6 +391,12 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
                 break
             if self._finished_worker:
                 raise RuntimeError("the rollout worker finished before a single step's samples were ready")
+            if nothing_coming:
+                # too few samples to give every process a row, and the allowance holds the worker (a step
+                # that trained a little, then a large group): let it produce past what is queued
+                self.worker.set_token_allowance(
+                    self._token_allowance() + math.ceil(_token_shares(self.pending))
+                )
             held = self.worker.held  # read before pulling: a group that finished before it is in the queue
             nothing_coming = not self._pull(timeout_s=0.05 if held else 0.25) and held
         now = time.monotonic()

@@ -126,6 +126,40 @@ def test_a_step_trains_on_less_only_when_nothing_more_can_come(tmp_path, ending)
     assert trainer.pending == []
 
 
+def test_too_few_samples_for_every_process_raise_the_allowance_instead_of_waiting(tmp_path, monkeypatch):
+    """Two processes need two rows. One pending sample with the worker held would wait forever: the trainer
+    raises the allowance past what is queued, the worker sends more, and the step trains on both groups."""
+    from harness import AsyncGRPOConfig
+
+    lone = group(0)
+    lone.samples = lone.samples[:1]
+    lone.num_tokens = packed_token_count(lone.samples)
+
+    class HeldUntilRaised(ScriptedWorker):
+        """Sends its first group, then holds until the allowance is raised, then sends the rest."""
+
+        @property
+        def held(self) -> bool:
+            return self.gets >= 1 and not self.allowances
+
+        def get(self, timeout_s: float) -> GroupResult | None:
+            if self.held:
+                self.gets += 1
+                assert self.gets < 50, "the trainer kept waiting for a worker its allowance holds"
+                return None
+            return super().get(timeout_s)
+
+    worker = HeldUntilRaised([lone, group(1)], finish=True)
+    trainer = trainer_with(worker, tmp_path)
+    monkeypatch.setattr(AsyncGRPOConfig, "world_size", property(lambda self: 2))  # rows planned for two
+    before = trainer._token_allowance()
+    plan_rows = trainer._plan_step()
+    assert worker.allowances == [before + lone.num_tokens]  # raised past the queued sample, once
+    (micro_batch,) = plan_rows["micro_batches"]
+    assert len(micro_batch) == 2 and all(micro_batch)  # a row for each process
+    assert {s.group_id for row in micro_batch for s in row} == {0, 1}
+
+
 def test_the_allowance_counts_tokens_as_the_worker_does(tmp_path):
     """The worker counts each group's tokens packed alone (GroupResult.num_tokens); the trainer gives back
     exactly that when it trains or drops the group's samples, whatever the rows shared across groups, so
