@@ -5,8 +5,9 @@ Three limits decide it (the reference's "Concurrency" section):
 - Staleness, `TokenGate`: generation may hold up to `token_allowance` tokens queued or in flight, a figure
   the trainer sets to max(max_staleness, 1) times the tokens one step consumed (before the first step:
   full rows). Tokens are counted as packed, a group's prompt once (`GroupResult.num_tokens`); the trainer
-  gives each sample's share back when it trains or drops it. A group starts only while the queue plus the estimated tokens of the groups in flight stay
-  under it; until the first group finishes, there is no estimate, so one group runs at a time.
+  gives each sample's share back when it trains or drops it. A group starts only while the queue plus the
+  estimated tokens of the groups in flight stay under it; until the first group finishes, there is no
+  estimate, so one group runs at a time.
 - Server load, `ConcurrencyCap`: a live cap on rollouts in flight that follows the server's /metrics. It
   starts at the requests that fit in the KV cache at full length (KV tokens / max_model_len), grows by
   25% while KV usage stays below 60% and nothing waits (at most once per cap's worth of finished
