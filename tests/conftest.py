@@ -90,6 +90,18 @@ def tiny_qwen3() -> PreTrainedModel:
     return build_tiny_qwen3()
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A folder holding the tiny Qwen3 and the tiny tokenizer, for servers and trainers that load a path
+    (written once per session; nothing may write into it)."""
+    from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-model")
+    build_tiny_qwen3().save_pretrained(directory)
+    build_tiny_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.fixture
 def tiny_llama() -> PreTrainedModel:
     """A random tiny LlamaForCausalLM (seed 0, float32, eval mode) sized for the tiny tokenizer."""

@@ -5,22 +5,12 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
 import anyio
 import pytest
 
 from harness.client import GenerationClient, SamplingConfig
 from harness.server.launch import ServerStartError, open_generation_server, start_builtin_server
-from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    build_tiny_qwen3().save_pretrained(path)
-    build_tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 @pytest.mark.slow

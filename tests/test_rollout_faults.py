@@ -33,7 +33,6 @@ from harness.client import GenerationClient
 from harness.rollout import AsyncRolloutLoop
 from harness.scoring import ADVANTAGE_EPS
 from harness.server.launch import start_builtin_server
-from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
 from sandboxes import errors as sandbox_errors
 from sandboxes.base import Limits, SandboxSpec, create_sandbox
 
@@ -406,14 +405,6 @@ async def test_a_sandbox_killed_mid_tool_call_fails_only_its_rollout(tmp_path):
 
 
 # --- 3 and 4. the real built-in server, failing and then gone ---------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_qwen3().save_pretrained(directory)
-    build_tiny_tokenizer().save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture

@@ -284,16 +284,6 @@ target_modules = "all-linear"
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> str:
-    from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
-
-    directory = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_qwen3().save_pretrained(directory)
-    build_tiny_tokenizer().save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.mark.slow
 def test_harness_train_runs_two_steps_on_cpu(tmp_path, tiny_model_dir):
     (tmp_path / "run_rewards.py").write_text(REWARDS_MODULE)  # imported from the spec's folder

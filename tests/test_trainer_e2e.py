@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from harness.config import AsyncGRPOConfig
-from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +37,6 @@ def multiply(a: int, b: int) -> int:
         b: The second.
     """
     return a * b
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_qwen3().save_pretrained(directory)
-    build_tiny_tokenizer().save_pretrained(directory)
-    return str(directory)
 
 
 def config(tmp_path: Path, **overrides) -> AsyncGRPOConfig:
