@@ -377,15 +377,16 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         """
         args: AsyncGRPOConfig = self.args
         window = self.window
-        nothing_coming = False
+        nothing_coming, plan = False, None
         while True:
-            plan = plan_micro_batches(
-                self.pending,
-                num_rows=args.world_size,
-                token_budget=self._token_budget,
-                max_micro_batches=args.gradient_accumulation_steps,
-                pair_weight=self.pair_weight,
-            )
+            if plan is None:  # planned again only when samples arrived, not after each empty wait
+                plan = plan_micro_batches(
+                    self.pending,
+                    num_rows=args.world_size,
+                    token_budget=self._token_budget,
+                    max_micro_batches=args.gradient_accumulation_steps,
+                    pair_weight=self.pair_weight,
+                )
             full = len(plan.micro_batches) >= args.gradient_accumulation_steps and bool(plan.leftover)
             if full or (plan.micro_batches and (self._finished_worker or nothing_coming)):
                 break
@@ -398,7 +399,10 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
                     self._token_allowance() + math.ceil(_token_shares(self.pending))
                 )
             held = self.worker.held  # read before pulling: a group that finished before it is in the queue
-            nothing_coming = not self._pull(timeout_s=0.05 if held else 0.25) and held
+            pulled = self._pull(timeout_s=0.05 if held else 0.25)
+            nothing_coming = not pulled and held
+            if pulled:
+                plan = None
         now = time.monotonic()
         micro_batches = []
         used: set[int] = set()
