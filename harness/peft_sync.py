@@ -16,29 +16,35 @@ import torch
 _PEFT_PREFIX = "base_model.model."
 
 
+def served_parameters(model: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(checkpoint name, parameter) of every parameter a server loads: a PEFT model's base parameters under
+    the base checkpoint's names (adapter-only parameters left out), a plain model's as they are."""
+    peft = hasattr(model, "peft_config")
+    for name, parameter in model.named_parameters():
+        if peft and (".lora_" in name or "modules_to_save" in name):
+            continue
+        yield (_checkpoint_name(name) if peft else name), parameter
+
+
 @torch.no_grad()
 def merged_named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) for every base parameter, LoRA deltas merged in."""
-    if not hasattr(model, "peft_config"):
-        for name, parameter in model.named_parameters():
-            yield name, _full(parameter.detach())
-        return
-    lora_layers = {
-        f"{module_name}.base_layer.weight": module
-        for module_name, module in model.named_modules()
-        if hasattr(module, "lora_A") and hasattr(module, "base_layer") and not module.merged
-    }
-    for name, parameter in model.named_parameters():
-        if ".lora_" in name or "modules_to_save" in name:
-            continue
+    """`served_parameters` as full tensors, one at a time, LoRA deltas merged in."""
+    lora_layers = {}
+    if hasattr(model, "peft_config"):
+        lora_layers = {
+            id(module.base_layer.weight): module
+            for module in model.modules()
+            if hasattr(module, "lora_A") and hasattr(module, "base_layer") and not module.merged
+        }
+    for name, parameter in served_parameters(model):
         tensor = _full(parameter.detach())
-        layer = lora_layers.get(name)
+        layer = lora_layers.get(id(parameter))
         if layer is not None and layer.active_adapters:
             # merged for this layer only, just before it is sent (under FSDP2 the delta is computed from the
             # sharded adapter and gathered like the weight)
             delta = _full(layer.get_delta_weight(layer.active_adapters[0]))
             tensor = tensor + delta.to(tensor.dtype)
-        yield _checkpoint_name(name), tensor
+        yield name, tensor
 
 
 def _checkpoint_name(name: str) -> str:

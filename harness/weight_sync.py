@@ -261,7 +261,9 @@ class MergedWeightSync(WeightSync):
         self.kind = f"merged-{transfer.kind}"
 
     def _sync(self, model: Any, version: int) -> dict[str, float]:
-        weights = _merged_weights(model)
+        from harness.peft_sync import merged_named_parameters
+
+        weights = merged_named_parameters(model)
         if not self.is_main:
             # FSDP2: every process joins each parameter's all-gather, in the same order; rank 0 sends
             started = time.monotonic()
@@ -547,23 +549,14 @@ class AdapterWeightSync(WeightSync):
 # --- helpers ---------------------------------------------------------------------------------------------
 
 
-def _merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    from harness.peft_sync import merged_named_parameters
-
-    return merged_named_parameters(model)
-
-
 def merged_manifest(model: Any) -> Any:
     """The WeightManifest `merged_named_parameters(model)` will yield, from metadata alone (no gathering)."""
-    from harness.peft_sync import _checkpoint_name
+    from harness.peft_sync import served_parameters
     from harness.weight_transfer import WeightManifest
 
-    peft = hasattr(model, "peft_config")
     names, dtypes, shapes = [], [], []
-    for name, parameter in model.named_parameters():
-        if peft and (".lora_" in name or "modules_to_save" in name):
-            continue
-        names.append(_checkpoint_name(name) if peft else name)
+    for name, parameter in served_parameters(model):
+        names.append(name)
         dtypes.append(str(parameter.dtype).removeprefix("torch."))
         shapes.append(list(parameter.shape))  # a DTensor's shape is the global one
     return WeightManifest(names, dtypes, shapes)
