@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.chat import ChatRenderer
-from harness.reconcile import reconcile
+from harness.rollout.chat import ChatRenderer
+from harness.rollout.reconcile import reconcile
 from harness.testing import load_qwen_tokenizer
 from harness.types import TurnRecord
 from tools import Toolset

@@ -64,7 +64,7 @@ def build_model(name: str, device: str) -> tuple[Any, int]:
 
         model = build_tiny_qwen3()
     elif name == "smollm2":
-        from harness.smollm2 import smollm2_model_dir
+        from harness.recipes.smollm2 import smollm2_model_dir
 
         model = AutoModelForCausalLM.from_pretrained(smollm2_model_dir(), dtype=torch.float32)
     elif name == "qwen3-0.6b-random":

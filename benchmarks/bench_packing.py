@@ -35,12 +35,17 @@ from typing import Any
 
 import torch
 
-from harness.attention import packed_forward, prepare_model_for_tree_attention
-from harness.flops import peak_flops
-from harness.logprobs import _mixed_precision_matmul_works, fused_token_loss, row_logprobs, token_logprobs
-from harness.loss import LossConfig, fused_policy_loss, policy_loss
 from harness.packing import PackedRow, batch_metrics, pack_row, plan_micro_batches
 from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
+from harness.training.attention import packed_forward, prepare_model_for_tree_attention
+from harness.training.flops import peak_flops
+from harness.training.logprobs import (
+    _mixed_precision_matmul_works,
+    fused_token_loss,
+    row_logprobs,
+    token_logprobs,
+)
+from harness.training.loss import LossConfig, fused_policy_loss, policy_loss
 from harness.types import TrainingSample, TrainingSequence
 
 PEAK_BF16_FLOPS = peak_flops("NVIDIA H200", half_precision=True)  # H100/H200 SXM dense bf16

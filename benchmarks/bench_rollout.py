@@ -42,12 +42,12 @@ from typing import Any, ClassVar
 
 import anyio
 
-import harness.rollout
-from harness.chat import ChatRenderer, Conversation
-from harness.client import Completion, ModelInfo
+import harness.rollout.loop
 from harness.config import AsyncGRPOConfig
+from harness.generation.client import Completion, ModelInfo
 from harness.metrics import MetricsWindow
-from harness.rollout import AsyncRolloutLoop
+from harness.rollout.chat import ChatRenderer, Conversation
+from harness.rollout.loop import AsyncRolloutLoop
 from tools import Toolset
 
 QWEN3_TEMPLATE = Path(__file__).resolve().parent.parent / "tests/fixtures/chat_templates/qwen3.jinja"
@@ -154,7 +154,7 @@ class CpuTimers:
             (Conversation, "add_messages"),
         ],
         "parse": [(ChatRenderer, "parse")],
-        "reconcile": [(harness.rollout, "reconcile_rollout")],
+        "reconcile": [(harness.rollout.loop, "reconcile_rollout")],
     }
 
     def __init__(self) -> None:
@@ -291,7 +291,7 @@ async def measure(
 async def main(concurrencies: list[int], rollouts: int, group_size: int, latencies_ms: list[float]) -> None:
     # The official Qwen3 template drops earlier turns' reasoning, so it is not prefix-preserving: the
     # renderer says so once per loop and renders with its packaged training template instead (printed).
-    logging.getLogger("harness.chat.renderer").setLevel(logging.ERROR)
+    logging.getLogger("harness.rollout.chat.renderer").setLevel(logging.ERROR)
     tokenizer, tokenizer_name = load_tokenizer()
     call_ids, answer_ids, template_name = replies(tokenizer)
     print(

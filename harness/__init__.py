@@ -4,34 +4,21 @@ The public API is imported lazily (PEP 562), so `import harness` and `harness --
 torch and transformers load only when a name that needs them is first used.
 """
 
-from importlib import import_module
-from typing import Any
+from harness._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "AsyncGRPOConfig": "harness.config",
-    "AsyncGRPOTrainer": "harness.trainer",
-    "AsyncRolloutLoop": "harness.rollout",
+    "AsyncGRPOTrainer": "harness.training.trainer",
+    "AsyncRolloutLoop": "harness.rollout.loop",
     "Rollout": "harness.types",
     "RolloutGroup": "harness.types",
     "TurnRecord": "harness.types",
     "TrainingSequence": "harness.types",
-    "GenerationClient": "harness.client",
+    "GenerationClient": "harness.generation.client",
 }
 
 __all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'harness' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "demo",
         help="the README's demo: SmolLM2-135M learns to call a calculator, on CPU (6-11 minutes on 2 cores)",
-        add_help=False,  # `harness demo --help` shows the demo's own options (harness/demo.py)
+        add_help=False,  # `harness demo --help` shows the demo's own options (harness/recipes/demo.py)
     )
 
     tools = commands.add_parser("tools", help="inspect tools")
@@ -152,7 +152,7 @@ def _add_envs_commands(commands: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options
-        from harness.demo import main as run_demo
+        from harness.recipes.demo import main as run_demo
 
         return run_demo(argv[1:])
     parser = build_parser()
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "smoke":
-        from harness.smoke import run_smoke
+        from harness.recipes.smoke import run_smoke
 
         return run_smoke(steps=args.steps, seed=args.seed)
     if args.command == "train":

@@ -20,9 +20,9 @@ advantage and old log-probability. The log-prob head gathers hidden states at `p
 row of the hidden states per trained token, never a duplicated forward.
 
 Attention needs only the trie's shape: depth-first order makes every token's subtree a contiguous index
-range, so "key k is on query q's root-to-token path" is `k <= q < subtree_end[k]` (see `harness.attention`).
-Segments (maximal runs of tokens without a branch) are kept as well, for recurrent layers, whose state must
-flow from a segment's parent into it.
+range, so "key k is on query q's root-to-token path" is `k <= q < subtree_end[k]` (see
+`harness.training.attention`). Segments (maximal runs of tokens without a branch) are kept as well, for
+recurrent layers, whose state must flow from a segment's parent into it.
 
 The planner (`plan_micro_batches`) assigns samples to rows under `token_budget`, which bounds a row's unique
 tokens and its trained tokens (its loss terms), and `batch_metrics` turns a plan into the spec's batch/*

@@ -334,7 +334,7 @@ def resolve(spec: RunSpec) -> ResolvedRun:
     args = build_args(spec, config_cls)
     loop_cls = None
     if spec.loop_cls:
-        from harness.rollout import AsyncRolloutLoop
+        from harness.rollout.loop import AsyncRolloutLoop
 
         loop_cls = _import(spec.loop_cls, "loop_cls")
         if not (isinstance(loop_cls, type) and issubclass(loop_cls, AsyncRolloutLoop)):
@@ -529,7 +529,7 @@ class MetricsFile(TrainerCallback):
 
 def build_trainer(resolved: ResolvedRun) -> Any:
     """The AsyncGRPOTrainer of a resolved run, logging to output_dir/metrics.jsonl."""
-    from harness.trainer import AsyncGRPOTrainer
+    from harness.training.trainer import AsyncGRPOTrainer
 
     trainer = AsyncGRPOTrainer(
         resolved.spec.model,

@@ -7,8 +7,8 @@
     RolloutGroup      the num_generations rollouts of one prompt, scored together (spec name)
     GroupResult       what the worker sends the trainer per prompt: samples, or none when dropped
 
-A multi-turn rollout is a list of TurnRecords; reconciliation (`harness/reconcile.py`) turns them into one
-or more TrainingSequences (more when a turn's prompt does not extend the tokens held so far); scoring
+A multi-turn rollout is a list of TurnRecords; reconciliation (`harness/rollout/reconcile.py`) turns them into
+one or more TrainingSequences (more when a turn's prompt does not extend the tokens held so far); scoring
 attaches the rollout's advantage to each, giving TrainingSamples; the packer (`harness/packing.py`) lays
 those out in prefix-trie rows. Every list here is indexed by token position, so the shapes can be read
 off the names.

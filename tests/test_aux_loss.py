@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from harness.attention import TreeAttentionError, packed_forward, prepare_model_for_tree_attention
 from harness.packing import pack_row
 from harness.testing import build_tiny_qwen3, build_tiny_qwen3_moe
+from harness.training.attention import TreeAttentionError, packed_forward, prepare_model_for_tree_attention
 from harness.types import TrainingSample, TrainingSequence
 
 NUM_EXPERTS, TOP_K = 4, 2  # tiny_qwen3_moe_config

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from harness.chat import ChatRenderer
+from harness.rollout.chat import ChatRenderer
 from tools import Toolset
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.chat import ChatRenderer, ChatTemplateError, check_agreement, load_training_template
-from harness.chat.check import probe_conversation
+from harness.rollout.chat import ChatRenderer, ChatTemplateError, check_agreement, load_training_template
+from harness.rollout.chat.check import probe_conversation
 from tools import Toolset, UnknownToolCallFormat
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -174,7 +174,7 @@ def test_official_qwen3_templates_are_not_prefix_preserving(qwen_tokenizer, name
 
 
 def test_the_swap_is_logged(qwen_tokenizer, caplog):
-    with caplog.at_level(logging.INFO, logger="harness.chat.renderer"):
+    with caplog.at_level(logging.INFO, logger="harness.rollout.chat.renderer"):
         renderer(qwen_tokenizer, "qwen3")
     assert "not prefix-preserving" in caplog.text
     assert "using the training template 'qwen3'" in caplog.text
@@ -248,11 +248,13 @@ def test_parse_detects_the_end_token_and_truncation(qwen_tokenizer):
 
 
 def test_the_chat_package_exports_what_it_lists():
-    import harness.chat
+    import harness.rollout.chat
 
-    assert {"ChatRenderer", "Conversation", "TemplateCheck", "RenderStats"} <= set(harness.chat.__all__)
-    for name in harness.chat.__all__:
-        assert getattr(harness.chat, name) is not None
+    assert {"ChatRenderer", "Conversation", "TemplateCheck", "RenderStats"} <= set(
+        harness.rollout.chat.__all__
+    )
+    for name in harness.rollout.chat.__all__:
+        assert getattr(harness.rollout.chat, name) is not None
 
 
 FAMILY_TOKENS = {

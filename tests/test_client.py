@@ -18,7 +18,7 @@ import anyio
 import pytest
 from aiohttp import web
 
-from harness.client import (
+from harness.generation.client import (
     Completion,
     GenerationClient,
     ProtocolMismatchError,
@@ -27,7 +27,7 @@ from harness.client import (
     ServerUnavailableError,
     parse_top_logprobs,
 )
-from harness.server_metrics import MetricsParseError, ServerLoad, parse_prometheus
+from harness.generation.server_load import MetricsParseError, ServerLoad, parse_prometheus
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 Reply = tuple[int, Any]  # (status, JSON-able body or text)

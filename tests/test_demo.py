@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from harness import demo
+from harness.recipes import demo
 from harness.testing import build_tiny_llama, build_tiny_tokenizer
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.flops import device_peak_flops, peak_flops, training_flops
+from harness.training.flops import device_peak_flops, peak_flops, training_flops
 
 
 @pytest.mark.parametrize(

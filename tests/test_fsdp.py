@@ -2,9 +2,9 @@
 
 The trainer's real step runs in both set-ups on the same fixed samples (no rollout worker, no generation
 server): rank 0 plans the rows and broadcasts them (`_plan_step` and `_broadcast` inside `_train_step`), each
-rank forwards its row through the FSDP2-sharded tiny Qwen3 (harness/fsdp.py), the gradients are reduced by
-FSDP2, the optimizer steps, and the weight sync gathers the full parameters one at a time for rank 0 to
-write into the transfer file a fake server reads. Two steps (the second with its gradient norm clipped):
+rank forwards its row through the FSDP2-sharded tiny Qwen3 (harness/training/fsdp.py), the gradients are
+reduced by FSDP2, the optimizer steps, and the weight sync gathers the full parameters one at a time for rank
+0 to write into the transfer file a fake server reads. Two steps (the second with its gradient norm clipped):
 the loss, the updated weights and the gathered weights must equal one process's. Variants: tied
 embeddings with gradient checkpointing, LoRA (merged sync), bf16 mixed precision, a checkpoint saved and
 resumed under FSDP2, and two GPUs over NCCL (marked gpu).
@@ -75,7 +75,7 @@ class FakeServer:
 
     def call(self, method: str, *args: Any) -> None:
         if method == "send_weight_manifest":
-            from harness.weight_transfer import WeightManifest, read_weights_file
+            from harness.weight_sync.wire import WeightManifest, read_weights_file
 
             (info,) = args
             for name, tensor in read_weights_file(info["path"], WeightManifest.from_update_info(info)):
@@ -142,7 +142,7 @@ def constant_reward(completions, **kwargs):
 def prepare(trainer: Any, resume: str | None = None) -> Any:
     """What `train()` sets up before its loop, without the server and the worker (fakes on rank 0): the
     weight sync it opens for a built-in server on this host, merged weights through a file."""
-    from harness.weight_sync import FileTransfer, MergedWeightSync
+    from harness.weight_sync.strategies import FileTransfer, MergedWeightSync
 
     trainer._setup_run(resume)
     trainer._token_budget = 1024
@@ -192,7 +192,7 @@ def run_steps(trainer: Any, clipping: tuple[float, ...] = (NO_CLIPPING, CLIP_NOR
 
 
 def full_parameters(model: Any) -> dict[str, torch.Tensor]:
-    from harness.peft_sync import merged_named_parameters
+    from harness.weight_sync.peft import merged_named_parameters
 
     return {name: tensor.detach().cpu().clone() for name, tensor in merged_named_parameters(model)}
 

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from harness.attention import TreeMask, packed_forward, prepare_model_for_tree_attention
-from harness.logprobs import _mixed_precision_matmul_works, row_logprobs, token_logprobs
 from harness.packing import pack_row
 from harness.testing import build_tiny_llama, build_tiny_qwen3, build_tiny_qwen3_5
+from harness.training.attention import TreeMask, packed_forward, prepare_model_for_tree_attention
+from harness.training.logprobs import _mixed_precision_matmul_works, row_logprobs, token_logprobs
 from harness.types import TrainingSample, TrainingSequence
 
 pytestmark = pytest.mark.gpu
@@ -150,7 +150,7 @@ def test_flex_handles_rows_of_changing_length():
 
 
 def test_fused_loss_equals_the_modular_loss_in_bf16():
-    from harness.loss import LossConfig, fused_policy_loss, policy_loss
+    from harness.training.loss import LossConfig, fused_policy_loss, policy_loss
 
     generator = torch.Generator(device=CUDA).manual_seed(1)
     samples = [sample(list(range(100, 400)), list(range(1000 + 50 * j, 1050 + 50 * j))) for j in range(6)]
@@ -178,8 +178,8 @@ def test_fused_loss_equals_the_modular_loss_in_bf16():
 
 FIRST_SHORT_ROW = """
 import torch
-from harness.attention import packed_forward, prepare_model_for_tree_attention
-from harness.logprobs import row_logprobs
+from harness.training.attention import packed_forward, prepare_model_for_tree_attention
+from harness.training.logprobs import row_logprobs
 from harness.packing import pack_row
 from harness.testing import build_tiny_qwen3
 from harness.types import TrainingSample, TrainingSequence

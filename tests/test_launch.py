@@ -9,7 +9,7 @@ import sys
 import anyio
 import pytest
 
-from harness.client import GenerationClient, SamplingConfig
+from harness.generation.client import GenerationClient, SamplingConfig
 from harness.server.launch import ServerStartError, open_generation_server, start_builtin_server
 
 

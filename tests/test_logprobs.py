@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.logprobs import row_logprobs, token_logprobs
 from harness.packing import pack_row
+from harness.training.logprobs import row_logprobs, token_logprobs
 from harness.types import TrainingSample, TrainingSequence
 
 N, H, V = 11, 8, 40

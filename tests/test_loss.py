@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from harness.logprobs import TokenLogProbs, row_logprobs
-from harness.loss import (
+from harness.packing import pack_row
+from harness.training.logprobs import TokenLogProbs, row_logprobs
+from harness.training.loss import (
     LossConfig,
     clipped_surrogate_token_loss,
     fused_policy_loss,
     policy_loss,
     score_centering_token_loss,
 )
-from harness.packing import pack_row
 from harness.types import TrainingSample, TrainingSequence
 
 CLIP_MIN, CLIP_MAX = 0.5, 5.0

@@ -76,8 +76,10 @@ def messages(
         name = draw(NAMES)
         typed = draw(st.dictionaries(NAMES, values(XML_TEXT if xml else JSON_TEXT), max_size=4))
         properties = {key: schema for key, (schema, _) in typed.items()}
-        if name in tools:  # the same tool called twice: keep one schema for both calls
-            properties = {**tools[name].parameters["properties"], **properties}
+        if name in tools:  # the same tool called twice: one schema for both calls, so no key is retyped
+            known = tools[name].parameters["properties"]
+            typed = {key: pair for key, pair in typed.items() if key not in known}
+            properties = {**known, **{key: schema for key, (schema, _) in typed.items()}}
         schema = {
             "type": "function",
             "function": {

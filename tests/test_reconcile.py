@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from harness.reconcile import (
+from harness.rollout.reconcile import (
     Reconciled,
     common_prefix_length,
     reconcile,

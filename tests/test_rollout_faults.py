@@ -29,9 +29,9 @@ from test_rollout_loop import make_loop, metrics, prompt_rows, run_groups, tool_
 
 from environments.base import Environment
 from environments.manifest import Manifest
-from harness.client import GenerationClient
-from harness.rollout import AsyncRolloutLoop
-from harness.scoring import ADVANTAGE_EPS
+from harness.generation.client import GenerationClient
+from harness.rollout.loop import AsyncRolloutLoop
+from harness.rollout.scoring import ADVANTAGE_EPS
 from harness.server.launch import start_builtin_server
 from sandboxes import errors as sandbox_errors
 from sandboxes.base import Limits, SandboxSpec, create_sandbox

@@ -13,11 +13,11 @@ import anyio
 import numpy as np
 import pytest
 
-from harness.client import Completion, GenerationError, ModelInfo
 from harness.config import AsyncGRPOConfig
-from harness.pacing import TokenGate
+from harness.generation.client import Completion, GenerationError, ModelInfo
 from harness.packing import packed_token_count
-from harness.rollout import AsyncRolloutLoop
+from harness.rollout.loop import AsyncRolloutLoop
+from harness.rollout.pacing import TokenGate
 from harness.testing import build_tiny_tokenizer
 from harness.types import GroupResult
 from sandboxes.errors import SandboxDied
@@ -319,7 +319,7 @@ def test_token_gate_one_group_until_the_first_finishes_then_the_allowance():
 
 
 def test_failure_breaker_trips_once_past_the_rate_and_names_the_types():
-    from harness.pacing import FailureBreaker, RolloutFailureRate
+    from harness.rollout.pacing import FailureBreaker, RolloutFailureRate
 
     breaker = FailureBreaker(window=4, max_frac=0.5)
     for failed, kind in [(False, ""), (True, "SandboxDied"), (True, "SandboxDied")]:

@@ -9,7 +9,7 @@ import anyio
 import numpy as np
 import pytest
 
-from harness.scoring import (
+from harness.rollout.scoring import (
     RewardFunctionError,
     call_reward_funcs,
     group_advantages,

@@ -4,7 +4,8 @@ One server per module (an EmbeddedServer on a thread, random port). Every numeri
 a direct forward pass of an identical model built the same way (`build_tiny_qwen3()`, seed 0), with the
 processed log-probs recomputed here by a plain per-position implementation. Tests that change the
 server's weights restore them before they end. Weight updates are driven the way the trainer drives
-them: `harness.weight_sync.MergedWeightSync` with a file or a broadcast transfer, through a `ClientThread`.
+them: `harness.weight_sync.strategies.MergedWeightSync` with a file or a broadcast transfer, through a
+`ClientThread`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import anyio
 import pytest
 import torch
 
-from harness.client import Completion, GenerationClient, SamplingConfig, ServerRequestError
-from harness.client_thread import ClientThread
+from harness.generation.client import Completion, GenerationClient, SamplingConfig, ServerRequestError
+from harness.generation.client_thread import ClientThread
+from harness.generation.server_load import ServerLoad, parse_prometheus
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
-from harness.server_metrics import ServerLoad, parse_prometheus
 from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
-from harness.weight_sync import BroadcastTransfer, FileTransfer, MergedWeightSync
+from harness.weight_sync.strategies import BroadcastTransfer, FileTransfer, MergedWeightSync
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 MAX_MODEL_LEN = 256

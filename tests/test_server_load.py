@@ -12,10 +12,10 @@ from typing import Any
 import anyio
 import pytest
 
-from harness.client import Completion, GenerationClient, SamplingConfig
+from harness.generation.client import Completion, GenerationClient, SamplingConfig
+from harness.generation.server_load import parse_prometheus
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
-from harness.server_metrics import parse_prometheus
 from harness.testing import build_tiny_qwen3
 
 NUM_REQUESTS = 256

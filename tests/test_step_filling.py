@@ -177,8 +177,8 @@ def test_the_allowance_counts_tokens_as_the_worker_does(tmp_path):
 
 
 def test_raising_the_allowance_clears_the_held_flag_until_the_worker_sets_it_again():
-    from harness.rollout import AsyncRolloutLoop
-    from harness.worker import RolloutWorker
+    from harness.rollout.loop import AsyncRolloutLoop
+    from harness.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(AsyncRolloutLoop, {}, initial_token_allowance=100)
     worker.channels.held_event.set()  # what the worker does while the allowance holds it

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.attention import (
+from harness.packing import pack_row
+from harness.testing import build_tiny_llama, build_tiny_qwen3, build_tiny_qwen3_5, build_tiny_qwen3_moe
+from harness.training.attention import (
     TreeAttentionError,
     TreeMask,
     gated_delta_rule_chunked,
     packed_forward,
     prepare_model_for_tree_attention,
 )
-from harness.logprobs import row_logprobs
-from harness.packing import pack_row
-from harness.testing import build_tiny_llama, build_tiny_qwen3, build_tiny_qwen3_5, build_tiny_qwen3_moe
+from harness.training.logprobs import row_logprobs
 from harness.types import TrainingSample, TrainingSequence
 
 

@@ -1,4 +1,5 @@
-"""The trainer side of vLLM's NCCL weight transfer (`harness.vllm_nccl`), without vLLM where possible.
+"""The trainer side of vLLM's NCCL weight transfer (`harness.weight_sync.vllm_nccl`), without vLLM where
+possible.
 
 The packing is checked against a transcription of vLLM's receiver (`packed_nccl_broadcast_consumer` in
 vllm/distributed/weight_transfer/packed_tensor.py: bucket boundaries from the manifest alone, split by
@@ -20,7 +21,7 @@ import anyio
 import pytest
 import torch
 
-from harness.vllm_nccl import (
+from harness.weight_sync.vllm_nccl import (
     VLLM_INSTALL_HINT,
     GenerationClientServer,
     VllmNcclApi,
@@ -35,7 +36,7 @@ from harness.vllm_nccl import (
     update_info,
     worker_rank,
 )
-from harness.weight_transfer import (
+from harness.weight_sync.wire import (
     DEFAULT_BUFFER_SIZE_BYTES,
     WeightManifest,
     WeightTransferError,
@@ -641,7 +642,7 @@ def test_full_sync_against_vllm_serve() -> None:
     """
     from transformers import AutoModelForCausalLM
 
-    from harness.client import GenerationClient, SamplingConfig
+    from harness.generation.client import GenerationClient, SamplingConfig
 
     url = os.environ["VLLM_URL"]
     address = os.environ.get("VLLM_MASTER_ADDRESS", "127.0.0.1")

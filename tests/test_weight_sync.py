@@ -1,4 +1,4 @@
-"""Weight sync (harness/weight_sync.py) against the real built-in server on CPU, with a tiny Qwen3.
+"""Weight sync (harness/weight_sync/strategies.py) against the real built-in server on CPU, with a tiny Qwen3.
 
 The server is an EmbeddedServer (real HTTP, in this process), so a test can read the served model's
 weights and the loaded adapters directly. The trainer side is the same tiny model (seed 0), wrapped in
@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from harness.client import SamplingConfig
-from harness.client_thread import ClientThread
+from harness.generation.client import SamplingConfig
+from harness.generation.client_thread import ClientThread
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
 from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
-from harness.weight_sync import (
+from harness.weight_sync.strategies import (
     LORA_DIR,
     AdapterWeightSync,
     BroadcastTransfer,
@@ -86,7 +86,7 @@ def randomize_lora(model: Any, seed: int) -> None:
 
 def served_weights_equal(server: EmbeddedServer, model: Any) -> None:
     """Every tensor the sync sends equals the served model's parameter of that name."""
-    from harness.peft_sync import merged_named_parameters
+    from harness.weight_sync.peft import merged_named_parameters
 
     served = dict(server.state.model.named_parameters(remove_duplicate=False))
     count = 0
@@ -229,7 +229,7 @@ def fake_vllm_server():
 
 
 def test_merged_sync_to_vllm_without_vllm_installed_names_the_fix(fake_vllm_server):
-    pytest.importorskip("harness.vllm_nccl")
+    pytest.importorskip("harness.weight_sync.vllm_nccl")
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed")
     with pytest.raises(ImportError, match="needs vLLM on the trainer too"):
@@ -238,9 +238,9 @@ def test_merged_sync_to_vllm_without_vllm_installed_names_the_fix(fake_vllm_serv
 
 
 def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(fake_vllm_server):
-    """vLLM's classes faked (harness.vllm_nccl takes them), on CPU: the bodies carry only vLLM's keys, and
-    the broadcast bytes are the merged weights in manifest order, bucket by bucket."""
-    vllm_nccl = pytest.importorskip("harness.vllm_nccl")
+    """vLLM's classes faked (harness.weight_sync.vllm_nccl takes them), on CPU: the bodies carry only vLLM's
+    keys, and the broadcast bytes are the merged weights in manifest order, bucket by bucket."""
+    vllm_nccl = pytest.importorskip("harness.weight_sync.vllm_nccl")
     broadcasts: list[torch.Tensor] = []
 
     class Communicator:
@@ -275,7 +275,7 @@ def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(fak
     assert calls[0][1] == "keep"
     info = calls[2][1]
     assert set(info) == {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes"}
-    from harness.peft_sync import merged_named_parameters
+    from harness.weight_sync.peft import merged_named_parameters
 
     merged = list(merged_named_parameters(model))
     expected = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in merged])
@@ -288,7 +288,7 @@ def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(fak
 def test_the_worker_names_the_newest_adapter_and_a_rollout_keeps_the_one_it_started_with():
     import anyio
 
-    from harness.rollout import _ROLLOUT_ADAPTER, AsyncRolloutLoop
+    from harness.rollout.loop import _ROLLOUT_ADAPTER, AsyncRolloutLoop
 
     version = types.SimpleNamespace(value=3)
     loop = types.SimpleNamespace(lora_name_prefix="policy-x", model_version_value=version, lora_name=None)
@@ -366,7 +366,7 @@ def test_adapter_sync_loads_versions_keeps_the_window_and_deletes_one_sync_later
 def test_without_lora_support_the_adapter_is_merged_through_the_file_with_the_reason_logged(tmp_path, caplog):
     with embedded_server(enable_lora=False) as server, ClientThread(server.base_url, 60) as client:
         model = lora_model(seed=3)
-        with caplog.at_level(logging.INFO, logger="harness.weight_sync"):
+        with caplog.at_level(logging.INFO, logger="harness.weight_sync.strategies"):
             plan = plan_weight_sync(model, client.server_info(), base_url=server.base_url, max_staleness=1)
         assert plan.kind == "file"
         assert "no LoRA support" in caplog.text and "--enable-lora" in caplog.text
@@ -512,7 +512,7 @@ def test_trainer_with_lora_and_a_builtin_server_without_lora_falls_back_to_merge
         train_dataset=conversations(8),
         peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
-    with caplog.at_level(logging.INFO, logger="harness.weight_sync"):
+    with caplog.at_level(logging.INFO, logger="harness.weight_sync.strategies"):
         assert trainer.train().global_step == 2
     reason = "weight sync: file (merged sync instead of adapter sync: the server has no LoRA support"
     assert reason in caplog.text

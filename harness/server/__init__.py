@@ -1,7 +1,7 @@
 """The built-in generation server: vLLM's HTTP protocol over a transformers model on CPU or one GPU.
 
 The embedded default for one machine, tests and first runs; production runs point the trainer at a vLLM
-server instead, and the same client (`harness.client.GenerationClient`) drives both.
+server instead, and the same client (`harness.generation.client.GenerationClient`) drives both.
 
     cli.py       `harness serve MODEL` flags, and `python -m harness.server`
     launch.py    start it as a subprocess, wait for /health, stop it (what the trainer uses)
@@ -18,8 +18,7 @@ Names are imported lazily, so importing this package (as `harness --help` does) 
 aiohttp.
 """
 
-from importlib import import_module
-from typing import Any
+from harness._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "BuiltinServer": "harness.server.launch",
@@ -35,16 +34,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'harness.server' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

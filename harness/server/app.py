@@ -1,8 +1,8 @@
 """The built-in server's HTTP layer: vLLM's routes on aiohttp, in front of the engine.
 
-Who talks to it: clients (`harness.client.GenerationClient`, or anything that speaks vLLM's protocol) over
-HTTP; `harness serve` runs it in the foreground with `serve`; tests and benchmarks run it on a thread of
-their own process with `EmbeddedServer`. Routes (shapes in `protocol.py`):
+Who talks to it: clients (`harness.generation.client.GenerationClient`, or anything that speaks vLLM's
+protocol) over HTTP; `harness serve` runs it in the foreground with `serve`; tests and benchmarks run it on a
+thread of their own process with `EmbeddedServer`. Routes (shapes in `protocol.py`):
 
     GET  /health /v1/models /metrics /is_paused /server_info /get_world_size /version
     POST /v1/completions
@@ -49,7 +49,7 @@ from harness.server.protocol import (
     parse_completion_request,
 )
 from harness.server.state import ServerConfig, ServerState
-from harness.weight_transfer import (
+from harness.weight_sync.wire import (
     DEFAULT_BUFFER_SIZE_BYTES,
     WeightManifest,
     WeightTransferError,
@@ -233,7 +233,7 @@ def build_app(state: ServerState) -> web.Application:
         return web.Response(status=200)  # no prefix cache to reset
 
     async def init_weight_transfer_engine(request: web.Request) -> web.Response:
-        from harness.weight_transfer import BroadcastGroup
+        from harness.weight_sync.wire import BroadcastGroup
 
         info = (await _json_body(request)).get("init_info")
         if not isinstance(info, dict):

@@ -1,7 +1,7 @@
 """The built-in server's /metrics: engine statistics as Prometheus text, under vLLM's metric names.
 
 Who talks to it: the /metrics route renders `EngineStats` with `render_metrics`; clients (the rollout
-worker's load poller, `harness/server_metrics.py`) parse it exactly as they parse a vLLM server's.
+worker's load poller, `harness/generation/server_load.py`) parse it exactly as they parse a vLLM server's.
 
 The KV-usage figure is `rows x longest running sequence / kv_cache_tokens`: the share of the KV budget the
 engine's dense rows occupy, which is what makes it preempt when it reaches 1. `vllm:cache_config_info`

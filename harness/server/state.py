@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from harness.server.engine import Engine
     from harness.server.lora import LoraManager
-    from harness.weight_transfer import BroadcastGroup
+    from harness.weight_sync.wire import BroadcastGroup
 
 logger = logging.getLogger(__name__)
 

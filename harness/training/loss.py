@@ -1,15 +1,15 @@
 r"""Policy losses: score centering (the default) and GRPO's clipped surrogate, both with masked IS.
 
 Both take, per trained token t, the trainer's log-probability log p(a_t) (differentiable, from
-`harness.logprobs`), the sampler's log-probability log q(a_t) and the sample's advantage A_t. The sampler's
-log-probabilities stand in for the old policy, so one importance ratio r_t = p(a_t) / q(a_t) covers both
-the training-inference mismatch and the staleness. Tokens whose ratio falls outside
+`harness.training.logprobs`), the sampler's log-probability log q(a_t) and the sample's advantage A_t. The
+sampler's log-probabilities stand in for the old policy, so one importance ratio r_t = p(a_t) / q(a_t) covers
+both the training-inference mismatch and the staleness. Tokens whose ratio falls outside
 C = [vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max] lose their importance weight
 (masked importance sampling): f(r) = r if r in C, else 0.
 
 Two entry points give the same value, gradients and metrics: `policy_loss` after `row_logprobs` (modular),
 and `fused_policy_loss`, which evaluates the per-token loss inside the chunked head so that the logits are
-computed once (the trainer's fast path; see `harness.logprobs`).
+computed once (the trainer's fast path; see `harness.training.logprobs`).
 
 Normalisation: the per-token losses are summed and divided by the number of trained tokens of the
 micro-batch across all processes, and by gradient_accumulation_steps, so that summing gradients over
@@ -82,8 +82,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.logprobs import DEFAULT_CHUNK_SIZE, TokenLogProbs, fused_token_loss
 from harness.packing import PackedRow
+from harness.training.logprobs import DEFAULT_CHUNK_SIZE, TokenLogProbs, fused_token_loss
 
 __all__ = [
     "LossConfig",
@@ -294,8 +294,8 @@ def policy_loss(
 ) -> LossOutput:
     """The micro-step's loss over a packed row (on the head's device) and the row's metrics.
 
-    `head` comes from `harness.logprobs.row_logprobs`. `num_trained_tokens_global` is the number of trained
-    tokens of this micro-batch summed over all processes (an all-reduce of `row.num_trained`).
+    `head` comes from `harness.training.logprobs.row_logprobs`. `num_trained_tokens_global` is the number of
+    trained tokens of this micro-batch summed over all processes (an all-reduce of `row.num_trained`).
     """
     scale = _check_normaliser(num_trained_tokens_global, gradient_accumulation_steps)
     token_loss, sampler_mass = _token_loss(
@@ -321,7 +321,7 @@ def fused_policy_loss(
     Same value, gradients and metrics as the modular path: each chunk's gradient with respect to its
     log-probs comes from differentiating the same per-token loss on the chunk's detached log-probs, and the
     head turns it into parameter gradients while the chunk's logits are still in memory (see
-    `harness.logprobs.fused_token_loss`).
+    `harness.training.logprobs.fused_token_loss`).
     """
     scale = _check_normaliser(num_trained_tokens_global, gradient_accumulation_steps)
     sampler_mass = torch.zeros_like(row.old_logprobs) if config.score_centering else None

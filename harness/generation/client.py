@@ -14,9 +14,9 @@ Usage (the rollout loop, one turn):
         turn = completion.to_turn_record(prompt_ids)     # a TurnRecord for reconciliation
         if completion.truncated: ...                     # completion.truncation_reason says why
 
-The trainer reaches it through `harness.client_thread.ClientThread`; a weight sync is a sequence of its
-single-step calls (`pause`, `start_weight_update`, `send_weight_manifest`, `finish_weight_update`,
-`resume`, the adapter calls), put in order by `harness.weight_sync`, which also moves the weights.
+The trainer reaches it through `harness.generation.client_thread.ClientThread`; a weight sync is a sequence of
+its single-step calls (`pause`, `start_weight_update`, `send_weight_manifest`, `finish_weight_update`,
+`resume`, the adapter calls), put in order by `harness.weight_sync.strategies`, which also moves the weights.
 
 Error policy:
 * Transient failures (connection errors, timeouts, 5xx, a request the server aborted) are retried with
@@ -54,7 +54,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 import openai
 
-from harness.server_metrics import ServerLoad
+from harness.generation.server_load import ServerLoad
 from harness.types import TurnRecord
 
 T = TypeVar("T")
@@ -524,7 +524,7 @@ class GenerationClient:
         return info if isinstance(info, dict) else {}
 
     async def start_weight_update(self) -> None:
-        """POST /start_weight_update (one step of a weight sync; see harness/weight_sync.py)."""
+        """POST /start_weight_update (one step of a weight sync; see harness/weight_sync/strategies.py)."""
         await self._request("post", "/start_weight_update", body={"is_checkpoint_format": True})
 
     async def send_weight_manifest(self, update_info: dict[str, Any]) -> None:

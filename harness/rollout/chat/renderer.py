@@ -49,9 +49,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.chat.check import TemplateCheck, check_agreement, check_template, head_end
-from harness.chat.templates import training_template_for
-from harness.reconcile import common_prefix_length
+from harness.rollout.chat.check import TemplateCheck, check_agreement, check_template, head_end
+from harness.rollout.chat.templates import training_template_for
+from harness.rollout.reconcile import common_prefix_length
 from tools.parsers import (
     ParsedMessage,
     ToolCallParser,

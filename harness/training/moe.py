@@ -3,10 +3,10 @@
 A MoE model's router sends each token to `num_experts_per_tok` of its experts; the load-balancing loss of
 the Switch Transformer (transformers' `load_balancing_loss_func`, the one its MoE causal LMs add to their
 loss) pushes the routing towards an even load. The trainer forwards a MoE policy's packed rows with
-`harness.attention.packed_forward(..., output_router_logits=True)`, takes `router_aux_loss` over each row's
-tokens (a prefix shared by a row's samples counts once, as it is forwarded once), and adds
+`harness.training.attention.packed_forward(..., output_router_logits=True)`, takes `router_aux_loss` over each
+row's tokens (a prefix shared by a row's samples counts once, as it is forwarded once), and adds
 `coef * aux_loss` to the row's loss, weighted so that the step's gradient is `coef` times the mean of
-the rows' losses (harness/trainer.py, `_train_on_plan`).
+the rows' losses (harness/training/trainer.py, `_train_on_plan`).
 
     coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)   # 0.0: nothing to add
     hidden_T_H, router_logits = packed_forward(model, row, output_router_logits=True)

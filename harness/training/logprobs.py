@@ -399,8 +399,8 @@ def fused_token_loss(
     """A per-token loss of the head's log-probs and its gradient, computed in one pass over the chunks.
 
     `chunk_loss` receives each chunk's (detached) log-probs and returns the chunk's summed loss and its
-    gradient with respect to them (see `ChunkLoss`); `harness.loss.fused_policy_loss` builds it from the
-    same per-token losses as the modular path. Returns the loss (a scalar whose backward delivers the
+    gradient with respect to them (see `ChunkLoss`); `harness.training.loss.fused_policy_loss` builds it from
+    the same per-token losses as the modular path. Returns the loss (a scalar whose backward delivers the
     gradients to `hidden_N_H` and `weight_V_H`) and the detached log-probs, entropy and top-k log-probs.
     """
     _check(hidden_N_H, target_ids_N, temperature, chunk_size)

@@ -16,8 +16,8 @@
 `train(resume_from_checkpoint=...)` takes a folder, or True for the highest-numbered checkpoint in
 output_dir. With one process the optimizer and scheduler are created first, then the Trainer loads the
 weights (or the adapter), the optimizer and scheduler states are loaded, and the counters are set from
-rollout_state.json. Under FSDP2 (several processes, harness/fsdp.py) the weights must be in place before
-the model is sharded: rank 0 loads them into its full model and broadcasts them to the other processes
+rollout_state.json. Under FSDP2 (several processes, harness/training/fsdp.py) the weights must be in place
+before the model is sharded: rank 0 loads them into its full model and broadcasts them to the other processes
 (`_load_weights_before_sharding`); after sharding the optimizer is created and rank 0's optimizer.pt is
 loaded into every process's shards; each process reads the scheduler and the counters itself.
 
@@ -25,8 +25,8 @@ Saving under FSDP2, every process helps gather the full state dicts and rank 0 w
 process would. So a checkpoint does not depend on the number of processes that wrote it: a run saved on two
 processes resumes on one, and the other way round.
 
-Who talks to it: AsyncGRPOTrainer (harness/trainer.py), whose `_setup_run` resolves the folder, loads the
-weights before sharding (`_shard_model`) and resumes, and whose `_after_step` saves. The mixin uses the
+Who talks to it: AsyncGRPOTrainer (harness/training/trainer.py), whose `_setup_run` resolves the folder, loads
+the weights before sharding (`_shard_model`) and resumes, and whose `_after_step` saves. The mixin uses the
 transformers.Trainer's model, optimizer, lr_scheduler, state and accelerator, the trainer's `_is_main`, and
 the counters `_setup_run` initialises (trained_frontier, model_version, tokens_consumed, num_tokens_total,
 prompts_done).
@@ -53,7 +53,7 @@ class CheckpointMixin:
         if self._sharded:
             # FSDP2: every process helps gather the full state dicts, rank 0 writes the usual files (a PEFT
             # model's: its adapter alone, so the frozen base is not gathered)
-            from harness.fsdp import full_state_dicts
+            from harness.training.fsdp import full_state_dicts
 
             peft = hasattr(self.model, "peft_config")
             model_state, optimizer_state = full_state_dicts(self.model, self.optimizer, trainable_only=peft)
@@ -97,7 +97,7 @@ class CheckpointMixin:
         before sharding (`_load_weights_before_sharding`)."""
         state = json.loads((directory / ROLLOUT_STATE_FILE).read_text())
         if self._sharded:
-            from harness.fsdp import load_full_optimizer_state_dict
+            from harness.training.fsdp import load_full_optimizer_state_dict
 
             optimizer_state = {}
             if self._is_main:
@@ -116,7 +116,7 @@ class CheckpointMixin:
 
     @property
     def _sharded(self) -> bool:
-        from harness.fsdp import is_sharded
+        from harness.training.fsdp import is_sharded
 
         return self.args.world_size > 1 and is_sharded(self.model)
 
@@ -124,7 +124,7 @@ class CheckpointMixin:
         """FSDP2 resume: rank 0 loads the checkpoint's weights into its full model (what a one-process
         checkpoint holds: a PEFT model's adapter, else the whole model), then every process takes rank 0's
         trainable parameters (a full model: every tensor), so the shards start from them. A collective."""
-        from harness.fsdp import broadcast_from_rank0
+        from harness.training.fsdp import broadcast_from_rank0
 
         model = self.model
         peft = hasattr(model, "peft_config")

@@ -10,14 +10,14 @@ in the reverse one):
                          merged in) from a temporary folder (`_saved_model_for_server`; every process helps
                          gather them under FSDP2)
     _open_weight_sync    every process: rank 0 chooses how the policy reaches the server from its
-                         /server_info (harness/weight_sync.py) and broadcasts the plan; each process builds
-                         and starts its part of the strategy
-    _start_worker        rank 0: the rollout worker process (harness/worker.py) running `loop_cls` against the
-                         server, from the first prompt not yet trained on, at the current policy version and
-                         token allowance
+                         /server_info (harness/weight_sync/strategies.py) and broadcasts the plan; each
+                         process builds and starts its part of the strategy
+    _start_worker        rank 0: the rollout worker process (harness/rollout/worker.py) running `loop_cls`
+                         against the server, from the first prompt not yet trained on, at the current
+                         policy version and token allowance
 
-Who talks to it: AsyncGRPOTrainer (harness/trainer.py). The mixin uses the transformers.Trainer's model,
-processing_class, train_dataset, args and state, and the trainer's `_is_main`, `_broadcast`, `_client`
+Who talks to it: AsyncGRPOTrainer (harness/training/trainer.py). The mixin uses the transformers.Trainer's
+model, processing_class, train_dataset, args and state, and the trainer's `_is_main`, `_broadcast`, `_client`
 (rank 0's generation client), `_weight_sync`, `_token_allowance`, `model_path`, `model_version`,
 `trained_frontier`, `loop_cls`, `reward_funcs`, `tools` and `environment_factory`.
 """
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from harness.config import AsyncGRPOConfig
-from harness.weight_sync import WeightSync, build_weight_sync, plan_weight_sync
-from harness.worker import RolloutWorker
+from harness.rollout.worker import RolloutWorker
+from harness.weight_sync.strategies import WeightSync, build_weight_sync, plan_weight_sync
 
 
 class GenerationSideMixin:
@@ -74,7 +74,7 @@ class GenerationSideMixin:
     def _saved_model_for_server(self) -> Iterator[str]:
         """The current weights (LoRA merged in) in a temporary folder on rank 0 for a built-in server to load;
         "" on the other processes. A collective under FSDP2: every process gathers each parameter in turn."""
-        from harness.peft_sync import merged_named_parameters
+        from harness.weight_sync.peft import merged_named_parameters
 
         directory = tempfile.mkdtemp(prefix="agent-harness-model-") if self._is_main else ""
         try:

@@ -27,7 +27,8 @@ delta rule runs segment by segment, each starting from its parent segment's fina
 level run together as a batch. Other recurrent layouts (Qwen3-Next's fused projections, Mamba), attention
 sinks and logit soft-capping are rejected at preparation with `TreeAttentionError`.
 
-Usage (the trainer's micro-step; the head and loss live in harness.logprobs and harness.loss):
+Usage (the trainer's micro-step; the head and loss live in harness.training.logprobs and
+harness.training.loss):
 
     prepare_model_for_tree_attention(model)                      # once, before wrapping with FSDP
     row = pack_row([samples[i] for i in plan_row.sample_indices]).to(device)
@@ -223,7 +224,7 @@ def tree_attention_forward(
     if tree_mask is None:
         raise TreeAttentionError(
             f"the model uses attention {ATTENTION_NAME!r} but was called without a tree_mask; run packed "
-            "rows through harness.attention.packed_forward, or switch the model back with "
+            "rows through harness.training.attention.packed_forward, or switch the model back with "
             "model.set_attn_implementation('sdpa') for ordinary forwards"
         )
     if query.shape[0] != 1:
@@ -508,10 +509,11 @@ def packed_forward(
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Run the model's decoder (no LM head) over one packed row; returns hidden states [T, hidden].
 
-    The row must be on the model's device (`row.to(device)`); the LM head is left to `harness.logprobs`,
-    which only evaluates it at the trained tokens' predecessors. With `output_router_logits=True` (a
-    Mixture-of-Experts model) returns `(hidden_T_H, router_logits_L)` instead: one [T, num_experts] tensor
-    per MoE layer, for the load-balancing loss (`harness.moe.router_aux_loss`).
+    The row must be on the model's device (`row.to(device)`); the LM head is left to
+    `harness.training.logprobs`, which only evaluates it at the trained tokens' predecessors. With
+    `output_router_logits=True` (a Mixture-of-Experts model) returns `(hidden_T_H, router_logits_L)` instead:
+    one [T, num_experts] tensor per MoE layer, for the load-balancing loss
+    (`harness.training.moe.router_aux_loss`).
     """
     if _text_config(model.config)._attn_implementation != ATTENTION_NAME:
         raise TreeAttentionError("call prepare_model_for_tree_attention(model) before packed_forward")

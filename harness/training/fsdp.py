@@ -12,11 +12,11 @@ The layout is accelerate's (`fsdp2_prepare_model`) with one change, the root:
     tail: final norm + lm_head (+ input embedding when tied)       one group, kept unsharded until backward
     the decoder (`model.get_decoder()`): the input embedding       the root group
 
-The trainer's forward is the decoder alone (`harness.attention.packed_forward`); the log-prob head reads
-`lm_head.weight` afterwards, over the trained tokens only (`harness.logprobs`). So the decoder must be the
-FSDP root (the first module to run forward is the root, and a multi-module group cannot be one), and the
-head's weight must still be unsharded when the loss reads it: the tail group is all-gathered when the final
-norm runs and, with `reshard_after_forward=False`, stays a plain (unsharded) parameter until its
+The trainer's forward is the decoder alone (`harness.training.attention.packed_forward`); the log-prob head
+reads `lm_head.weight` afterwards, over the trained tokens only (`harness.training.logprobs`). So the decoder
+must be the FSDP root (the first module to run forward is the root, and a multi-module group cannot be one),
+and the head's weight must still be unsharded when the loss reads it: the tail group is all-gathered when the
+final norm runs and, with `reshard_after_forward=False`, stays a plain (unsharded) parameter until its
 post-backward, which reduce-scatters the gradient the fused head gave it like any other.
 
 Mixed precision, as the reference describes it: with `bf16` (or `fp16`) every trainable parameter is
@@ -33,7 +33,7 @@ optimizer state is read back by rank 0 and broadcast into the shards (`load_full
 
 Gradients: FSDP2 averages them over the processes; the loss is normalised by the trained tokens of the
 whole micro-batch across processes, so the trainer multiplies each rank's loss by the world size and the
-average becomes the sum the reference's normalisation needs (see `harness.loss`).
+average becomes the sum the reference's normalisation needs (see `harness.training.loss`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The trainer side of vLLM's NCCL weight-transfer protocol (merged weights into a running `vllm serve`).
 
-`VllmNcclGroup` has the shape of `harness.weight_transfer.BroadcastGroup` (`connect`, `send`, `close`), so a
+`VllmNcclGroup` has the shape of `harness.weight_sync.wire.BroadcastGroup` (`connect`, `send`, `close`), so a
 weight-sync loop can swap one for the other, but it forms its group the way a vLLM server expects: the
 trainer is rank 0 of a `vllm.distributed.utils.StatelessProcessGroup` (it hosts the TCP store at
 master_address:master_port), and the data plane is a `vllm.distributed.device_communicators.pynccl.
@@ -32,7 +32,7 @@ packed_tensor.py in vllm-project/vllm):
   so packing bucket k+1 overlaps the broadcast of bucket k.
 
 NCCL has no timeout: run `send` on a background thread while the HTTP /update_weights call (which has
-one) runs on the caller's thread, as `harness.weight_sync.BroadcastTransfer` does (posting
+one) runs on the caller's thread, as `harness.weight_sync.strategies.BroadcastTransfer` does (posting
 `update_info(manifest)`, not a body of its own: vLLM rejects keys it does not know).
 
 What was run, and what was not: only CPU code, on a CPU-only machine without vLLM (torch 2.13 CPU):
@@ -58,7 +58,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from harness.weight_transfer import (
+from harness.weight_sync.wire import (
     DEFAULT_BUFFER_SIZE_BYTES,
     WeightManifest,
     WeightTransferError,
@@ -318,7 +318,8 @@ def _make_streams(device: torch.device, count: int) -> list[Any]:
 
 class WeightTransferServer(Protocol):
     """The two HTTP calls that form a transfer group: `connect_server`'s, and the built-in server's group's
-    (`harness.weight_sync.BroadcastTransfer`). `GenerationClientServer` adapts a GenerationClient."""
+    (`harness.weight_sync.strategies.BroadcastTransfer`). `GenerationClientServer` adapts a
+    GenerationClient."""
 
     async def get_world_size(self) -> int: ...
 
@@ -326,7 +327,8 @@ class WeightTransferServer(Protocol):
 
 
 class GenerationClientServer:
-    """`WeightTransferServer` over a `harness.client.GenerationClient` (its typed errors, its timeouts)."""
+    """`WeightTransferServer` over a `harness.generation.client.GenerationClient` (its typed errors, its
+    timeouts)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -341,7 +343,7 @@ class GenerationClientServer:
 class VllmNcclGroup:
     """The trainer (rank 0) of vLLM's NCCL weight-transfer group; swaps in for `BroadcastGroup`.
 
-    Usage (the trainer, once, then per sync; `harness.weight_sync.BroadcastTransfer` does this):
+    Usage (the trainer, once, then per sync; `harness.weight_sync.strategies.BroadcastTransfer` does this):
 
         group = await VllmNcclGroup.connect_server(
             GenerationClientServer(client), master_address=trainer_ip, master_port=port)

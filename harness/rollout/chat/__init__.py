@@ -6,12 +6,12 @@
     RenderStats       drift and cost metrics of a logging window
 
 Tool-call parsing itself lives in `tools.parsers`; turning a rollout's turns into training samples in
-`harness.reconcile`.
+`harness.rollout.reconcile`.
 """
 
-from harness.chat.check import TemplateCheck, check_agreement, check_template, probe_conversation
-from harness.chat.renderer import ChatRenderer, ChatTemplateError, Conversation, RenderStats
-from harness.chat.templates import (
+from harness.rollout.chat.check import TemplateCheck, check_agreement, check_template, probe_conversation
+from harness.rollout.chat.renderer import ChatRenderer, ChatTemplateError, Conversation, RenderStats
+from harness.rollout.chat.templates import (
     TRAINING_TEMPLATES,
     TrainingTemplate,
     load_training_template,

@@ -6,26 +6,26 @@
 What `train()` does, in order (the step itself is `_train_step` with `_train_on_plan`, readable in one place):
 
     start the generation server (the configured URL, or the built-in server on the model), the weight sync
-        and the rollout worker (a spawned process running `loop_cls`, see harness/rollout.py), each as
-        harness/generation_side.py says
+        and the rollout worker (a spawned process running `loop_cls`, see harness/rollout/loop.py), each as
+        harness/training/generation_side.py says
     repeat until max_steps, or until num_train_epochs passes over the prompts are trained on:
         pull group results until a step's rows are full, dropping samples more than max_staleness
             versions old
         plan the rows (harness/packing.py), forward each row with tree attention, take the loss on the
-            trained tokens (harness/loss.py), backward; one optimizer step
-        every weight_sync_steps: push the policy to the server (harness/weight_sync.py: a LoRA adapter, or
+            trained tokens (harness/training/loss.py), backward; one optimizer step
+        every weight_sync_steps: push the policy to the server (harness/weight_sync/: a LoRA adapter, or
             merged weights through a file or a broadcast), bump the policy version
-        raise the worker's token allowance; log; checkpoint (harness/checkpointing.py)
+        raise the worker's token allowance; log; checkpoint (harness/training/checkpointing.py)
     stop the worker (its environments and sandboxes close), then the server
 
 The trainer extends `transformers.Trainer` for what that does well (optimizer and scheduler creation,
 callbacks, report_to integrations, model saving); the training loop is its own. Several processes
 (`accelerate launch` / `torchrun`): rank 0 runs the worker and the server and feeds every rank its rows;
-the policy is sharded over the processes with FSDP2 (harness/fsdp.py), whose reduce-scatter sums the rows'
-gradients; the weight sync gathers one full parameter at a time for rank 0 to send. Every process also helps
-write what rank 0 alone saves: the folder a built-in server starts on (for a model object or a resumed run)
-and each checkpoint. What a checkpoint holds and how a run resumes from it, on any number of processes, is
-harness/checkpointing.py (`CheckpointMixin`, which this trainer inherits).
+the policy is sharded over the processes with FSDP2 (harness/training/fsdp.py), whose reduce-scatter sums the
+rows' gradients; the weight sync gathers one full parameter at a time for rank 0 to send. Every process also
+helps write what rank 0 alone saves: the folder a built-in server starts on (for a model object or a resumed
+run) and each checkpoint. What a checkpoint holds and how a run resumes from it, on any number of processes,
+is harness/training/checkpointing.py (`CheckpointMixin`, which this trainer inherits).
 """
 
 from __future__ import annotations
@@ -44,19 +44,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_utils import TrainOutput
 
 from environments.routing import check_routes, resolve_environments
-from harness.attention import prepare_model_for_tree_attention
-from harness.checkpointing import CheckpointMixin
-from harness.client_thread import ClientThread as _ClientThread
 from harness.config import AsyncGRPOConfig
-from harness.flops import device_peak_flops, training_flops
-from harness.generation_side import GenerationSideMixin
-from harness.loss import LossConfig, fused_policy_loss
+from harness.generation.client_thread import ClientThread as _ClientThread
 from harness.metrics import MetricsWindow
-from harness.moe import router_aux_loss, router_aux_loss_coef
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
-from harness.rollout import AsyncRolloutLoop
+from harness.rollout.loop import AsyncRolloutLoop
+from harness.training.attention import prepare_model_for_tree_attention
+from harness.training.checkpointing import CheckpointMixin
+from harness.training.flops import device_peak_flops, training_flops
+from harness.training.generation_side import GenerationSideMixin
+from harness.training.loss import LossConfig, fused_policy_loss
+from harness.training.moe import router_aux_loss, router_aux_loss_coef
 from harness.types import GroupResult, TrainingSample
-from harness.weight_sync import WeightSync, check_no_lm_head_adapter
+from harness.weight_sync.strategies import WeightSync, check_no_lm_head_adapter
 
 log = logging.getLogger(__name__)
 
@@ -206,15 +206,22 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         return self.args.process_index == 0
 
     def _shard_model(self, checkpoint: Path | None = None) -> None:
-        """Several processes: shard the policy with FSDP2 (harness/fsdp.py), before the optimizer exists.
+        """Several processes: shard the policy with FSDP2 (harness/training/fsdp.py), before the optimizer
+        exists.
 
         An accelerate FSDP config chooses the settings (it must be `fsdp_version: 2`); without one, FSDP2 with
         the config's precision (bf16/fp16: float32 master weights, compute in the half type). Resuming, the
-        checkpoint's weights are loaded first (`_load_weights_before_sharding`, harness/checkpointing.py).
+        checkpoint's weights are loaded first (`_load_weights_before_sharding`,
+        harness/training/checkpointing.py).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        from harness.fsdp import is_sharded, mixed_precision_policy, shard_model, use_float32_master_weights
+        from harness.training.fsdp import (
+            is_sharded,
+            mixed_precision_policy,
+            shard_model,
+            use_float32_master_weights,
+        )
 
         if is_sharded(self.model):
             if checkpoint is not None:
@@ -291,8 +298,8 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         loss is normalised by the trained tokens of its whole micro-batch, over all rows, and by the number
         of micro-batches, so the gradients summed over rows, processes and micro-batches are the reference's
         mean, however the rows are spread over processes. A Mixture-of-Experts policy with a nonzero
-        `router_aux_loss_coef` adds that times each row's load-balancing loss (harness/moe.py) over the
-        step's number of rows, so the gradients sum to the coefficient times the rows' mean aux loss.
+        `router_aux_loss_coef` adds that times each row's load-balancing loss (harness/training/moe.py) over
+        the step's number of rows, so the gradients sum to the coefficient times the rows' mean aux loss.
         Returns the step's loss (that sum, the same on every process) and the metrics of all rows.
         """
         args: AsyncGRPOConfig = self.args
@@ -517,8 +524,8 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
     def _sync_weights(self) -> dict[str, float]:
         """Push the policy to the server as the next version, then bump it; the perf/weight_sync_* timings.
 
-        The strategy (harness/weight_sync.py) is the one `train()` opened (`_open_weight_sync`); a caller
-        that drives steps itself sets `self._weight_sync` first (tests/test_fsdp.py does).
+        The strategy (harness/weight_sync/strategies.py) is the one `train()` opened (`_open_weight_sync`); a
+        caller that drives steps itself sets `self._weight_sync` first (tests/test_fsdp.py does).
         """
         if self._weight_sync is None:
             raise RuntimeError("no weight-sync strategy: train() opens one before the first step")
@@ -559,7 +566,7 @@ def _decoder_forward(
     model: Any, row: Any, *, output_router_logits: bool
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The row's hidden states, and the router logits of a MoE model when asked for (else None)."""
-    from harness.attention import packed_forward
+    from harness.training.attention import packed_forward
 
     if output_router_logits:
         return packed_forward(model, row, output_router_logits=True)
@@ -569,16 +576,17 @@ def _decoder_forward(
 def _lm_head_weight(model: Any) -> torch.Tensor:
     """The LM head's weight for the log-prob head, read after the decoder's forward.
 
-    Under FSDP2 (harness/fsdp.py) the head shares a group with the final norm that stays unsharded from the
-    norm's forward until its post-backward, so this is the plain gathered parameter, and FSDP reduces the
-    gradient the loss gives it. A still-sharded weight here means another layout, whose head gradient would
-    not be reduced over the processes: refuse it rather than train unsynchronised heads.
+    Under FSDP2 (harness/training/fsdp.py) the head shares a group with the final norm that stays unsharded
+    from the norm's forward until its post-backward, so this is the plain gathered parameter, and FSDP reduces
+    the gradient the loss gives it. A still-sharded weight here means another layout, whose head gradient
+    would not be reduced over the processes: refuse it rather than train unsynchronised heads.
     """
     weight = model.get_output_embeddings().weight
     if hasattr(weight, "full_tensor"):
         raise RuntimeError(
             "lm_head.weight is still sharded after the decoder's forward: shard the model with "
-            "harness.fsdp.shard_model (the head in the final norm's group, kept unsharded until backward)"
+            "harness.training.fsdp.shard_model (the head in the final norm's group, kept unsharded until "
+            "backward)"
         )
     return weight
 

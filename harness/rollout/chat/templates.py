@@ -7,8 +7,8 @@ every turn or training on tokens the model never saw. A training template render
 generated exactly as the original does and every earlier turn the same way it was rendered when it was
 last, so each prompt extends the one before.
 
-The templates are package data (`harness/chat_templates/*.jinja`). `training_template_for` picks one by
-markers in the original template; `ChatRenderer` swaps it in only when the original fails the prefix
+The templates are package data (`harness/rollout/chat/chat_templates/*.jinja`). `training_template_for` picks
+one by markers in the original template; `ChatRenderer` swaps it in only when the original fails the prefix
 check, the training template passes it, and the two agree on the turn being generated
 (`check.check_agreement`).
 """
@@ -41,7 +41,11 @@ def load_training_template(name: str) -> TrainingTemplate:
     """Read a packaged training template by name; raises KeyError for an unknown name."""
     if name not in TRAINING_TEMPLATES:
         raise KeyError(f"no training template named '{name}'; there are {', '.join(TRAINING_TEMPLATES)}")
-    text = resources.files("harness").joinpath("chat_templates", f"{name}.jinja").read_text(encoding="utf-8")
+    text = (
+        resources.files("harness.rollout.chat")
+        .joinpath("chat_templates", f"{name}.jinja")
+        .read_text(encoding="utf-8")
+    )
     return TrainingTemplate(name, text)
 
 

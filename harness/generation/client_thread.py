@@ -2,8 +2,8 @@
 
 The trainer is synchronous; the client is a set of coroutines. `ClientThread` owns an anyio event loop
 on a private thread, builds the client there and runs its coroutines to completion from the calling
-thread. Rank 0 of the trainer opens one per run (`harness/trainer.py`); the weight-sync strategies
-(`harness/weight_sync.py`) drive every server call of a sync through it.
+thread. Rank 0 of the trainer opens one per run (`harness/training/trainer.py`); the weight-sync strategies
+(`harness/weight_sync/strategies.py`) drive every server call of a sync through it.
 
     with ClientThread("http://localhost:8000", timeout_s=1800) as server:   # waits until ready
         server.call("pause", "keep")                  # a client coroutine, by name
@@ -32,7 +32,7 @@ class ClientThread:
     def __enter__(self) -> ClientThread:
         from anyio.from_thread import start_blocking_portal
 
-        from harness.client import GenerationClient
+        from harness.generation.client import GenerationClient
 
         self._portal_cm = start_blocking_portal()
         self.portal = self._portal_cm.__enter__()

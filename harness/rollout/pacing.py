@@ -24,7 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from harness.server_metrics import ServerLoad
+from harness.generation.server_load import ServerLoad
 
 
 class TokenGate:

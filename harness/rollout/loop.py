@@ -41,16 +41,16 @@ import numpy as np
 
 from environments.base import environment_tools
 from environments.routing import RoutedEnvironment, reset_arguments, resolve_environments, route
-from harness.chat import ChatRenderer
-from harness.client import GenerationClient, GenerationError, SamplingConfig
 from harness.config import AsyncGRPOConfig
-from harness.env_pool import EnvironmentPool, call_hook
+from harness.generation.client import GenerationClient, GenerationError, SamplingConfig
 from harness.metrics import MetricsWindow
-from harness.pacing import ConcurrencyCap, FailureBreaker, TokenGate
 from harness.packing import packed_token_count
-from harness.reconcile import reconcile_metrics, reconcile_rollout
-from harness.rollout_metrics import record_group
-from harness.scoring import (
+from harness.rollout.chat import ChatRenderer
+from harness.rollout.env_pool import EnvironmentPool, call_hook
+from harness.rollout.metrics import record_group
+from harness.rollout.pacing import ConcurrencyCap, FailureBreaker, TokenGate
+from harness.rollout.reconcile import reconcile_metrics, reconcile_rollout
+from harness.rollout.scoring import (
     RewardFunctionError,
     call_reward_funcs,
     group_advantages,
@@ -59,7 +59,7 @@ from harness.scoring import (
     sum_rewards,
 )
 from harness.types import GroupResult, Rollout, RolloutGroup, TrainingSample, TurnRecord
-from harness.weight_sync import adapter_name
+from harness.weight_sync.strategies import adapter_name
 from sandboxes.errors import INFRASTRUCTURE_ERRORS, SandboxError
 from sandboxes.pool import SandboxPool
 from tools import ToolExecutor, ToolResult, Toolset, ToolStatus
@@ -85,7 +85,7 @@ class AsyncRolloutLoop:
 
     The reference's constructor; the shared values are multiprocessing objects the trainer created:
     `model_version_value` (the policy version), `token_allowance` (how many tokens the worker may have
-    produced in all, see harness/pacing.py), `heartbeat_value` (set to time.time() every second),
+    produced in all, see harness/rollout/pacing.py), `heartbeat_value` (set to time.time() every second),
     `failed_event` and `exception_info_queue` (a fatal error and its traceback), `metrics_queue` (logging
     windows), `rollout_buffer` (GroupResult items). Beyond the reference: `stop_event` asks for a
     graceful stop, `held_event` is set while the allowance holds generation with no group in flight (the

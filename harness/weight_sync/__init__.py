@@ -1,0 +1,27 @@
+"""Weight sync: how the trainer's policy reaches the generation servers after a step.
+
+    strategies.py   the choice (plan_weight_sync, from a server's /server_info) and the strategies:
+                    AdapterWeightSync (versioned LoRA adapters) and MergedWeightSync (pause, transfer, resume)
+    wire.py         what crosses to the server, on both sides: the manifest, the shared-memory file, the
+                    torch.distributed broadcast group
+    vllm_nccl.py    vLLM's NCCL weight-transfer group and request bodies
+    peft.py         a PEFT model's weights as the server loads them (LoRA merged in, base names)
+
+Who talks to it: harness/training/ opens a strategy at start and calls sync() every weight_sync_steps;
+the strategies drive the server through harness/generation/; the built-in server (harness/server/) reads
+what wire.py writes.
+"""
+
+from harness._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "AdapterWeightSync": "harness.weight_sync.strategies",
+    "MergedWeightSync": "harness.weight_sync.strategies",
+    "WeightManifest": "harness.weight_sync.wire",
+    "WeightSync": "harness.weight_sync.strategies",
+    "WeightSyncPlan": "harness.weight_sync.strategies",
+    "plan_weight_sync": "harness.weight_sync.strategies",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
