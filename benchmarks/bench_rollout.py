@@ -44,7 +44,7 @@ import anyio
 
 import harness.rollout.loop
 from harness.config import AsyncGRPOConfig
-from harness.generation.client import Completion, ModelInfo
+from harness.generation.protocol import Completion, ModelInfo
 from harness.metrics import MetricsWindow
 from harness.rollout.chat import ChatRenderer, Conversation
 from harness.rollout.loop import AsyncRolloutLoop

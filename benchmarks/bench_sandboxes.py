@@ -21,7 +21,8 @@ import time
 
 import anyio
 
-from sandboxes.base import SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import SandboxSpec
 from sandboxes.pool import SandboxPool
 from tools import ToolCall, ToolExecutor
 from tools.sandboxed import SandboxTools
@@ -151,7 +152,7 @@ async def bench(backend: str, seconds: float) -> None:
 
 def engine_ready(image: str) -> bool:
     try:
-        from sandboxes.docker import docker_client
+        from sandboxes.engine import docker_client
 
         docker_client().images.get(image)
     except Exception as exc:

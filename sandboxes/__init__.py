@@ -10,7 +10,8 @@ hands out leases; the reaper removes what killed runs left behind. This package 
 trainer; it imports docker only when a Docker sandbox is made.
 """
 
-from sandboxes.base import RUN_ID, ExecResult, Limits, Sandbox, SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import RUN_ID, ExecResult, Limits, Sandbox, SandboxSpec
 from sandboxes.errors import (
     EngineUnavailable,
     ImageNotFound,

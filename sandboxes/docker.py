@@ -31,73 +31,28 @@ What it does not protect against:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
-import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
-
-import anyio
+from typing import Any
 
 from sandboxes import errors
 from sandboxes.base import RUN_ID, Sandbox, SandboxSpec
 from sandboxes.channel import AgentChannel
+from sandboxes.engine import (
+    LABEL_PREFIX,
+    LABELS,
+    container_state,
+    docker_client,
+    engine_call,
+    remove_container,
+)
 from sandboxes.owner import this_owner
 
-MAX_ENGINE_CALLS = 32
 SANDBOX_USER = "1000:1000"
-LABEL_PREFIX = "agent-harness"
-LABELS = {
-    "managed": f"{LABEL_PREFIX}.managed",
-    "run_id": f"{LABEL_PREFIX}.run-id",
-    "owner_host": f"{LABEL_PREFIX}.owner-host",
-    "owner_pid": f"{LABEL_PREFIX}.owner-pid",
-    "owner_start": f"{LABEL_PREFIX}.owner-start",
-    "created_at": f"{LABEL_PREFIX}.created-at",
-    "sandbox": f"{LABEL_PREFIX}.sandbox",
-}
-
-T = TypeVar("T")
-_client_lock = threading.Lock()
-_client: Any = None
 _reaped_at_start = False
-_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def docker_client() -> Any:
-    """The process's docker SDK client (created on first use); EngineUnavailable when no engine answers."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            import docker
-
-            try:
-                client = docker.from_env(timeout=120, max_pool_size=MAX_ENGINE_CALLS)
-                client.ping()
-            except docker.errors.DockerException as exc:
-                host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-                raise errors.EngineUnavailable(
-                    f"no Docker engine answers at {host}: start dockerd (or set DOCKER_HOST to a running "
-                    f"engine), or use the local backend; the SDK said: {exc}"
-                ) from exc
-            _client = client
-        return _client
-
-
-async def engine_call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a blocking docker SDK call on a worker thread, bounded by MAX_ENGINE_CALLS per event loop."""
-    loop = asyncio.get_running_loop()
-    limiter = _limiters.get(loop)
-    if limiter is None:
-        limiter = _limiters[loop] = anyio.CapacityLimiter(MAX_ENGINE_CALLS)
-    return await anyio.to_thread.run_sync(lambda: function(*args, **kwargs), limiter=limiter)
 
 
 class DockerSandbox(Sandbox):
@@ -202,7 +157,7 @@ class DockerSandbox(Sandbox):
         parts = []
         if self.container_id is not None:
             try:
-                state = await engine_call(_container_state, docker_client(), self.container_id)
+                state = await engine_call(container_state, docker_client(), self.container_id)
             except Exception as exc:  # the engine itself may be what died
                 state = f"its state is unknown ({type(exc).__name__}: {exc})"
             parts.append(state)
@@ -212,11 +167,11 @@ class DockerSandbox(Sandbox):
 
     async def _destroy(self) -> None:
         if self.container_id is not None:
-            await engine_call(_remove, docker_client(), self.container_id)
+            await engine_call(remove_container, docker_client(), self.container_id)
 
     def _destroy_now(self) -> None:
         if self.container_id is not None:
-            _remove(docker_client(), self.container_id)
+            remove_container(docker_client(), self.container_id)
 
 
 class _Demultiplexer:
@@ -242,31 +197,6 @@ class _Demultiplexer:
         data = bytes(self._buffer[:n])
         del self._buffer[:n]
         return data
-
-
-def _container_state(client: Any, container_id: str) -> str:
-    import docker
-
-    try:
-        attrs = client.api.inspect_container(container_id)
-    except docker.errors.NotFound:
-        return "its container no longer exists (removed from outside)"
-    state = attrs.get("State", {})
-    text = f"container status {state.get('Status')}, exit code {state.get('ExitCode')}"
-    if state.get("OOMKilled"):
-        text += ", killed for running out of memory"
-    return text
-
-
-def _remove(client: Any, container_id: str) -> None:
-    import docker
-
-    with contextlib.suppress(docker.errors.NotFound):
-        try:
-            client.api.remove_container(container_id, force=True)
-        except docker.errors.APIError as exc:
-            if exc.status_code != 409:  # 409: removal already in progress
-                raise
 
 
 async def _reap_once(client: Any) -> None:

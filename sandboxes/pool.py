@@ -28,7 +28,8 @@ from typing import Any
 import anyio
 
 from sandboxes import errors
-from sandboxes.base import Sandbox, SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import Sandbox, SandboxSpec
 
 logger = logging.getLogger(__name__)
 

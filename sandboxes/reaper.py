@@ -27,7 +27,7 @@ def reap_containers(
     client: Any = None, *, dry_run: bool = False, other_hosts_older_than_s: float | None = None
 ) -> list[str]:
     """Remove orphaned sandbox containers; return the names of those removed (or that would be)."""
-    from sandboxes.docker import LABELS, _remove, docker_client
+    from sandboxes.engine import LABELS, docker_client, remove_container
 
     client = client or docker_client()
     host = this_owner().host
@@ -40,7 +40,7 @@ def reap_containers(
             continue
         name = (attrs.get("Names") or [attrs["Id"][:12]])[0].lstrip("/")
         if not dry_run:
-            _remove(client, attrs["Id"])
+            remove_container(client, attrs["Id"])
         reaped.append(name)
     return reaped
 

@@ -18,9 +18,9 @@ import anyio
 import pytest
 from aiohttp import web
 
-from harness.generation.client import (
+from harness.generation.client import GenerationClient
+from harness.generation.protocol import (
     Completion,
-    GenerationClient,
     ProtocolMismatchError,
     SamplingConfig,
     ServerRequestError,
@@ -392,6 +392,20 @@ def test_control_calls_hit_vllm_routes(double):
     ]
     assert double.calls("/v1/unload_lora_adapter") == [{"lora_name": "v1"}]
     assert len(double.calls("/health")) == 2
+
+
+def test_the_weight_transfer_group_calls_hit_vllm_routes(double):
+    double.script("/get_world_size", (200, {"world_size": 2}))
+    double.script("/init_weight_transfer_engine", (200, {}))
+
+    async def main() -> int:
+        async with make_client(double.url) as client:
+            await client.init_weight_transfer_engine({"world_size": 3})
+            return await client.get_world_size()
+
+    assert run(main) == 2
+    assert double.calls("/init_weight_transfer_engine") == [{"init_info": {"world_size": 3}}]
+    assert len(double.calls("/get_world_size")) == 1
 
 
 def test_waiting_for_a_server_that_never_comes_up_times_out():

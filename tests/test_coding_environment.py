@@ -159,7 +159,7 @@ def sandbox_leftovers() -> set[str]:
 
     found = {str(path) for path in sandbox_root().glob("*")} if sandbox_root().exists() else set()
     try:
-        from sandboxes.docker import LABELS, docker_client
+        from sandboxes.engine import LABELS, docker_client
 
         found |= {
             c["Id"] for c in docker_client().api.containers(all=True, filters={"label": LABELS["managed"]})

@@ -15,6 +15,7 @@ nothing depends on how pytest imports the test module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -67,19 +68,8 @@ def samples() -> list[Any]:
     return out
 
 
-class FakeServer:
-    """Stands in for rank 0's `ClientThread` to a built-in server: keeps the weights each file sync sends."""
-
-    def __init__(self) -> None:
-        self.weights: dict[str, torch.Tensor] = {}
-
-    def call(self, method: str, *args: Any) -> None:
-        if method == "send_weight_manifest":
-            from harness.weight_sync.wire import WeightManifest, read_weights_file
-
-            (info,) = args
-            for name, tensor in read_weights_file(info["path"], WeightManifest.from_update_info(info)):
-                self.weights[name] = tensor.clone()  # the file is deleted once the sync is done
+# The fake servers' client threads, closed when a rank (or the one-process reference) is done with them.
+SERVER_THREADS = contextlib.ExitStack()
 
 
 class FakeWorker:
@@ -142,11 +132,16 @@ def constant_reward(completions, **kwargs):
 def prepare(trainer: Any, resume: str | None = None) -> Any:
     """What `train()` sets up before its loop, without the server and the worker (fakes on rank 0): the
     weight sync it opens for a built-in server on this host, merged weights through a file."""
-    from harness.weight_sync.strategies import FileTransfer, MergedWeightSync
+    from harness.generation.client_thread import ClientThread
+    from harness.testing import FakeGenerationServer
+    from harness.weight_sync.strategies import MergedWeightSync
+    from harness.weight_sync.transports import FileTransfer
 
     trainer._setup_run(resume)
     trainer._token_budget = 1024
-    server = FakeServer() if trainer._is_main else None
+    server = None
+    if trainer._is_main:  # keeps the weights each file sync sends
+        server = SERVER_THREADS.enter_context(ClientThread(client=FakeGenerationServer()))
     trainer._weight_sync = MergedWeightSync(
         FileTransfer(), server, is_main=trainer._is_main, world_size=trainer.args.world_size
     )
@@ -179,7 +174,7 @@ def step(trainer: Any, max_grad_norm: float) -> dict[str, Any]:
     return {
         "metrics": metrics,
         "plan": [[[s.sequence.rollout_id for s in row] for row in mb] for mb in plans[-1]["micro_batches"]],
-        "synced": dict(trainer._weight_sync.server.weights) if trainer._is_main else None,
+        "synced": dict(trainer._weight_sync.server.client.weights) if trainer._is_main else None,
         "step_s": step_s,
     }
 
@@ -217,6 +212,13 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, mode: str) -> None
     if rest == ["lora"]:
         overrides.update(lora=True)
     output_dir = str(Path(out_dir) / "out")  # shared by the ranks, as checkpoints need
+    with SERVER_THREADS:
+        rank_steps(rank, world, out_dir, precision, output_dir, overrides)
+
+
+def rank_steps(
+    rank: int, world: int, out_dir: str, precision: str, output_dir: str, overrides: dict[str, Any]
+) -> None:
     trainer = make_trainer(output_dir, **overrides)
     assert trainer.args.world_size == world and trainer.args.process_index == rank
     steps = run_steps(trainer)
@@ -331,6 +333,11 @@ def initial_parameters() -> dict[str, torch.Tensor]:
 
 def one_process_steps(output_dir: str, **overrides: Any) -> list[dict[str, Any]]:
     """The reference: the same steps in this process alone (world size 1, no process group)."""
+    with SERVER_THREADS:
+        return one_process_run(output_dir, **overrides)
+
+
+def one_process_run(output_dir: str, **overrides: Any) -> list[dict[str, Any]]:
     trainer = make_trainer(output_dir, **overrides)
     assert trainer.args.world_size == 1
     steps = run_steps(trainer)

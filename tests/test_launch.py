@@ -9,7 +9,8 @@ import sys
 import anyio
 import pytest
 
-from harness.generation.client import GenerationClient, SamplingConfig
+from harness.generation.client import GenerationClient
+from harness.generation.protocol import SamplingConfig
 from harness.server.launch import ServerStartError, open_generation_server, start_builtin_server
 
 

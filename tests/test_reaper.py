@@ -20,7 +20,8 @@ from sandboxes.reaper import reap_containers, reap_local_dirs
 HOLD_SANDBOXES = textwrap.dedent(
     """
     import json, sys, anyio
-    from sandboxes.base import SandboxSpec, create_sandbox
+    from sandboxes.backends import create_sandbox
+from sandboxes.base import SandboxSpec
 
     async def main():
         sandboxes = [create_sandbox(SandboxSpec(backend=sys.argv[1])) for _ in range(10)]
@@ -99,7 +100,7 @@ def test_sigkilled_owner_leaves_no_process_and_the_reaper_removes_its_dirs():
 @pytest.mark.slow
 def test_sigkilled_owner_leaves_10_containers_that_the_reaper_removes_and_unlabelled_survive():
     from sandboxes.base import SandboxSpec
-    from sandboxes.docker import docker_client
+    from sandboxes.engine import docker_client
 
     client = docker_client()
     stranger = client.containers.create(SandboxSpec().image, command=["sleep", "600"], network_mode="none")

@@ -5,7 +5,7 @@ Each test breaks one real component and checks the loop's promise for that failu
 ends typed (or, for a tool that merely raised, carries on with the error as a tool message), it stays out
 of the group's statistics, the other rollouts finish, the failure is counted in the metrics, nothing is
 left running afterwards, and when failures dominate the circuit breaker stops the run with a message
-naming their type. Generation comes from the ScriptedServer double where the server is beside the point
+naming their type. Generation comes from the shared FakeGenerationServer where the server is beside the point
 (tools, sandboxes) and from the real built-in server, on CPU with a tiny random model, where it is the
 point (a fault-injecting HTTP proxy in front of it, or the server killed mid-run).
 """
@@ -34,7 +34,8 @@ from harness.rollout.loop import AsyncRolloutLoop
 from harness.rollout.scoring import ADVANTAGE_EPS
 from harness.server.launch import start_builtin_server
 from sandboxes import errors as sandbox_errors
-from sandboxes.base import Limits, SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import Limits, SandboxSpec
 
 pytestmark = pytest.mark.anyio
 
@@ -249,6 +250,81 @@ async def test_a_hanging_tool_times_out_without_holding_up_the_other_rollouts(tm
         trained = {sample.sequence.rollout_id for sample in result.samples}
         assert len(trained) == (2 if result.row_index == hung_group.row_index else 3)
         assert hung.rollout_id not in trained
+
+
+def readme_tool_metrics() -> list[str]:
+    """The metric names the README's Tools section lists under "Metrics (`ToolStats` ...)"."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("- Metrics (`ToolStats`") :]
+    section = section[: section.index("\n\n")]
+    return re.findall(r"`(tools/[^`]+)`", section)
+
+
+def nap(seconds: float) -> str:
+    """Sleep past the tool timeout.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke up"
+
+
+async def test_every_tool_metric_the_readme_lists_is_logged_by_a_real_rollout(tmp_path):
+    """One rollout meets each kind of tool outcome the metrics count: a call that works, one the parser
+    cannot read, one to a tool that does not exist, one with invalid arguments, one that raises, and a sync
+    tool that hangs past its timeout (its thread is abandoned and counted). Every name the README lists
+    reaches the loop's logged metrics, through one implementation (tools.ToolStats)."""
+    turns = [
+        tool_call("echo", {"text": "hi"}),
+        '<tool_call>\n{"name": "echo", "arguments": {"text": \n</tool_call>',  # bad JSON
+        tool_call("no_such_tool", {}),
+        tool_call("echo", {"wrong": 1}),
+        tool_call("explode", {"reason": "test"}),
+        tool_call("nap", {"seconds": 3}),
+    ]
+
+    def script(prompt: str, call: int) -> str:
+        turn = prompt.count("<|im_start|>assistant") - 1  # replies so far in this rollout
+        return turns[turn] if turn < len(turns) else "done"
+
+    loop = make_loop(
+        script,
+        dataset=prompt_rows("a"),
+        tools=[echo, explode, nap],
+        tmp_path=tmp_path,
+        num_generations=2,
+        tool_timeout_s=0.3,
+        max_tool_calling_iterations=10,
+        **ONE_PASS,
+    )
+    await run_groups(loop, 1)
+    summary = metrics(loop)
+    expected = {  # two rollouts, each with every outcome once
+        "tools/echo/call_count": 4,  # the valid call and the one with invalid arguments
+        "tools/echo/failure_count": 2,
+        "tools/explode/failure_count": 2,
+        "tools/nap/failure_count": 2,
+        "tools/unknown_name_count": 2,
+        "tools/invalid_arguments_count": 2,
+        "tools/error_count": 2,
+        "tools/timeout_count": 2,
+        "tools/parse_error_count": 2,
+        "tools/parse_error/qwen_count": 2,
+        "tools/parse_error/bad_json_count": 2,
+    }
+    assert {name: summary.get(name) for name in expected} == expected
+    # a gauge read at each flush: 1 or 2 while the two abandoned threads sleep, depending on the flush
+    assert 1 <= summary["tools/hung_threads"] <= 2
+    assert summary["tools/failure_frequency"] == pytest.approx(4 / 5)  # 5 calls ran, 4 failed
+    listed = readme_tool_metrics()
+    assert listed, "the README lists no tool metrics"
+    concrete = {
+        pattern.replace("{name}", "echo").replace("{family}", "qwen").replace("{kind}", "bad_json")
+        for pattern in listed
+    }
+    missing = sorted(name for name in concrete if name not in summary)
+    assert not missing, f"listed in the README but not logged: {missing}"
 
 
 # --- 2. a sandbox killed while a tool runs in it ---------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The rollout loop at unit level: a scripted generation double (implementing the client methods the loop
-uses) with the tiny tokenizer, real environments, tools, scoring and reconciliation."""
+"""The rollout loop at unit level: the shared generation double (harness.testing.FakeGenerationServer,
+scripted per test) with the tiny tokenizer, real environments, tools, scoring and reconciliation."""
 
 from __future__ import annotations
 
@@ -7,18 +7,16 @@ import json
 import queue
 import threading
 import types
-from collections.abc import Callable
 
 import anyio
 import numpy as np
 import pytest
 
 from harness.config import AsyncGRPOConfig
-from harness.generation.client import Completion, GenerationError, ModelInfo
 from harness.packing import packed_token_count
 from harness.rollout.loop import AsyncRolloutLoop
 from harness.rollout.pacing import TokenGate
-from harness.testing import build_tiny_tokenizer
+from harness.testing import FakeGenerationServer, build_tiny_tokenizer
 from harness.types import GroupResult
 from sandboxes.errors import SandboxDied
 
@@ -28,42 +26,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-class ScriptedServer:
-    """Answers each generation request with text from `script(prompt_text, call_index)`."""
-
-    def __init__(self, tokenizer, script: Callable[[str, int], str], max_model_len: int = 4096):
-        self.tokenizer = tokenizer
-        self.script = script
-        self.max_model_len = max_model_len
-        self.calls = 0
-        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    async def wait_until_ready(self) -> None:
-        pass
-
-    async def model_info(self, refresh: bool = False) -> ModelInfo:
-        return ModelInfo("tiny", self.max_model_len)
-
-    async def server_load(self):
-        return None
-
-    def pop_metrics(self) -> dict[str, float]:
-        return {}
-
-    async def generate(self, prompt_ids, sampling, *, model=None, seed=None) -> Completion:
-        self.calls += 1
-        text = self.script(self.tokenizer.decode(prompt_ids), self.calls)
-        if text is None:
-            raise GenerationError("the server answered 500 after every retry")
-        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.eos]
-        return Completion(
-            output_ids=ids,
-            output_log_probs=[-0.5] * len(ids),
-            output_sampler_logprobs=[{token: -0.5} for token in ids],
-            finish_reason="stop",
-        )
 
 
 def tool_call(name: str, arguments: dict) -> str:
@@ -100,7 +62,7 @@ def make_loop(
         metrics_queue=queue.Queue(),
         tools=tools,
         environment_factory=env,
-        client=ScriptedServer(tokenizer, script),
+        client=FakeGenerationServer(script, tokenizer=tokenizer),
     )
     return loop
 

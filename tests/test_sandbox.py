@@ -13,7 +13,8 @@ import anyio
 import pytest
 
 from sandboxes import errors
-from sandboxes.base import Limits, SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import Limits, SandboxSpec
 
 pytestmark = pytest.mark.anyio
 
@@ -233,7 +234,7 @@ async def test_sandbox_killed_from_outside_mid_exec_is_a_typed_error_fast(backen
 
 async def kill_from_outside(sandbox) -> None:
     if sandbox.spec.backend == "docker":
-        from sandboxes.docker import docker_client
+        from sandboxes.engine import docker_client
 
         await anyio.to_thread.run_sync(lambda: docker_client().api.kill(sandbox.container_id))
     else:
@@ -272,7 +273,7 @@ async def test_64_concurrent_sandboxes_are_all_removed_after(backend):
 def leftovers(backend: str, sandboxes) -> list[str]:
     """What of these sandboxes still exists on the host: containers, directories, processes."""
     if backend == "docker":
-        from sandboxes.docker import docker_client
+        from sandboxes.engine import docker_client
 
         ids = {sandbox.container_id for sandbox in sandboxes}
         return [c["Id"] for c in docker_client().api.containers(all=True) if c["Id"] in ids]
@@ -319,7 +320,8 @@ def test_errors_pickle_and_refine_the_stdlib(error):
 
 EXIT_WITHOUT_CLOSING = """
 import json, sys, anyio
-from sandboxes.base import SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import SandboxSpec
 
 async def main():
     sandboxes = [await create_sandbox(SandboxSpec(backend=sys.argv[1])).start() for _ in range(3)]
@@ -340,7 +342,7 @@ def test_exit_hook_removes_sandboxes_left_open_at_interpreter_exit(backend):
     ).stdout
     left = json.loads(out)
     if backend == "docker":
-        from sandboxes.docker import docker_client
+        from sandboxes.engine import docker_client
 
         existing = {c["Id"] for c in docker_client().api.containers(all=True)}
         assert not existing & set(left)

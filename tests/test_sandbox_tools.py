@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandboxes.base import ExecResult, SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import ExecResult, SandboxSpec
 from tools import ToolCall, ToolExecutor, ToolStatus
 from tools.sandboxed import SandboxTools, format_result
 

@@ -21,13 +21,15 @@ import anyio
 import pytest
 import torch
 
-from harness.generation.client import Completion, GenerationClient, SamplingConfig, ServerRequestError
+from harness.generation.client import GenerationClient
 from harness.generation.client_thread import ClientThread
+from harness.generation.protocol import Completion, SamplingConfig, ServerRequestError
 from harness.generation.server_load import ServerLoad, parse_prometheus
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
 from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
-from harness.weight_sync.strategies import BroadcastTransfer, FileTransfer, MergedWeightSync
+from harness.weight_sync.strategies import MergedWeightSync
+from harness.weight_sync.transports import BroadcastTransfer, FileTransfer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 MAX_MODEL_LEN = 256

@@ -10,12 +10,14 @@ import anyio
 import pytest
 import torch
 
-from harness.generation.client import Completion, GenerationClient, SamplingConfig
+from harness.generation.client import GenerationClient
 from harness.generation.client_thread import ClientThread
+from harness.generation.protocol import Completion, SamplingConfig
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
 from harness.testing import build_tiny_qwen3
-from harness.weight_sync.strategies import BroadcastTransfer, FileTransfer, MergedWeightSync
+from harness.weight_sync.strategies import MergedWeightSync
+from harness.weight_sync.transports import BroadcastTransfer, FileTransfer
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 61)), [3]]

@@ -12,7 +12,8 @@ from typing import Any
 import anyio
 import pytest
 
-from harness.generation.client import Completion, GenerationClient, SamplingConfig
+from harness.generation.client import GenerationClient
+from harness.generation.protocol import Completion, SamplingConfig
 from harness.generation.server_load import parse_prometheus
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState

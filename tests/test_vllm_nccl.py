@@ -21,9 +21,9 @@ import anyio
 import pytest
 import torch
 
+from harness.testing import FakeGenerationServer
 from harness.weight_sync.vllm_nccl import (
     VLLM_INSTALL_HINT,
-    GenerationClientServer,
     VllmNcclApi,
     VllmNcclGroup,
     VllmUnavailableError,
@@ -323,7 +323,7 @@ def test_without_vllm_every_entry_point_names_the_fix() -> None:
         load_vllm_api()
     with pytest.raises(VllmUnavailableError, match=hint):
         VllmNcclGroup.connect(master_address="127.0.0.1", master_port=1, world_size=2, device="cpu")
-    server = FakeServer(world_size=1)
+    server = fake_server(world_size=1)
     with pytest.raises(ImportError, match=hint):
         anyio.run(lambda: VllmNcclGroup.connect_server(server, master_address="127.0.0.1", master_port=1))
     assert server.calls == []  # failed before touching the server
@@ -332,41 +332,34 @@ def test_without_vllm_every_entry_point_names_the_fix() -> None:
 # ----------------------------------------------------------------------------- connect choreography
 
 
-class FakeServer:
-    """The two HTTP calls; init waits until the trainer's rendezvous has started (as vLLM's workers
-    wait for the trainer's store), so a connect that ran them one after the other would deadlock."""
+def fake_server(
+    world_size: int,
+    rendezvous_started: threading.Event | None = None,
+    fail: Exception | None = None,
+    hang: bool = False,
+) -> FakeGenerationServer:
+    """The shared fake server, whose /init_weight_transfer_engine waits until the trainer's rendezvous has
+    started (as vLLM's workers wait for the trainer's store), so a connect that ran the two one after the
+    other would deadlock; `workers_joined` is set once it answers."""
+    server = FakeGenerationServer(world_size=world_size)
+    server.workers_joined = threading.Event()  # type: ignore[attr-defined]
 
-    def __init__(
-        self,
-        world_size: int,
-        rendezvous_started: threading.Event | None = None,
-        fail: Exception | None = None,
-    ) -> None:
-        self.world_size = world_size
-        self.rendezvous_started = rendezvous_started
-        self.fail = fail
-        self.hang = False
-        self.calls: list[tuple[str, Any]] = []
-        self.workers_joined = threading.Event()
-
-    async def get_world_size(self) -> int:
-        self.calls.append(("get_world_size", None))
-        return self.world_size
-
-    async def init_weight_transfer_engine(self, info: dict[str, Any]) -> None:
-        self.calls.append(("init_weight_transfer_engine", info))
-        if self.fail is not None:
-            raise self.fail
-        if self.hang:
+    async def init(body: dict[str, Any]) -> None:
+        if fail is not None:
+            raise fail
+        if hang:
             await anyio.sleep(3600)
-        if self.rendezvous_started is not None:
-            while not self.rendezvous_started.is_set():
+        if rendezvous_started is not None:
+            while not rendezvous_started.is_set():
                 await anyio.sleep(0.005)
-        self.workers_joined.set()
+        server.workers_joined.set()  # type: ignore[attr-defined]
+
+    server.before("init_weight_transfer_engine", init)
+    return server
 
 
 def fake_vllm(
-    server: FakeServer | None,
+    server: FakeGenerationServer | None,
     started: threading.Event,
     release: threading.Event,
     create_error: Exception | None = None,
@@ -403,7 +396,7 @@ def fake_vllm(
     return VllmNcclApi(stateless_process_group=StatelessProcessGroup, communicator=Communicator), record
 
 
-def connect(server: FakeServer, api: VllmNcclApi, timeout_s: float = 10.0) -> VllmNcclGroup:
+def connect(server: FakeGenerationServer, api: VllmNcclApi, timeout_s: float = 10.0) -> VllmNcclGroup:
     async def main() -> VllmNcclGroup:
         return await VllmNcclGroup.connect_server(
             server, master_address="10.1.2.3", master_port=29501, device="cpu", timeout_s=timeout_s, vllm=api
@@ -414,14 +407,14 @@ def connect(server: FakeServer, api: VllmNcclApi, timeout_s: float = 10.0) -> Vl
 
 def test_connect_runs_the_http_call_and_the_rendezvous_together() -> None:
     started, release = threading.Event(), threading.Event()
-    server = FakeServer(world_size=4, rendezvous_started=started)
+    server = fake_server(world_size=4, rendezvous_started=started)
     api, record = fake_vllm(server, started, release)
     try:
         group = connect(server, api)
     finally:
         release.set()
-    assert [call for call, _ in server.calls] == ["get_world_size", "init_weight_transfer_engine"]
-    assert server.calls[1][1] == {
+    assert [route for route, _ in server.calls] == ["/init_weight_transfer_engine"]
+    assert server.calls[0][1]["init_info"] == {
         "master_address": "10.1.2.3",
         "master_port": 29501,
         "rank_offset": 1,
@@ -441,7 +434,7 @@ def test_connect_runs_the_http_call_and_the_rendezvous_together() -> None:
 
 def test_a_failing_http_call_raises_instead_of_hanging() -> None:
     started, release = threading.Event(), threading.Event()
-    server = FakeServer(world_size=2, fail=RuntimeError("400: Invalid init_info"))
+    server = fake_server(world_size=2, fail=RuntimeError("400: Invalid init_info"))
     api, _ = fake_vllm(None, started, release)  # the rendezvous never completes on its own
     begin = time.monotonic()
     try:
@@ -454,8 +447,7 @@ def test_a_failing_http_call_raises_instead_of_hanging() -> None:
 
 def test_a_failing_rendezvous_raises_while_the_http_call_hangs() -> None:
     started, release = threading.Event(), threading.Event()
-    server = FakeServer(world_size=2)
-    server.hang = True
+    server = fake_server(world_size=2, hang=True)
     api, _ = fake_vllm(server, started, release, create_error=OSError("address already in use"))
     begin = time.monotonic()
     with pytest.raises(OSError, match="address already in use"):
@@ -465,8 +457,7 @@ def test_a_failing_rendezvous_raises_while_the_http_call_hangs() -> None:
 
 def test_connect_gives_up_after_its_timeout() -> None:
     started, release = threading.Event(), threading.Event()
-    server = FakeServer(world_size=2)
-    server.hang = True
+    server = fake_server(world_size=2, hang=True)
     api, _ = fake_vllm(None, started, release)
     begin = time.monotonic()
     try:
@@ -489,30 +480,6 @@ def test_connect_refuses_a_disabled_communicator_and_other_ranks() -> None:
         VllmNcclGroup.connect(
             master_address="h", master_port=1, world_size=2, backend="gloo", device="cpu", vllm=api
         )
-
-
-def test_generation_client_adapter_makes_the_two_calls() -> None:
-    calls: list[tuple[str, str, Any]] = []
-
-    class Client:
-        async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-            calls.append((method, path, kwargs))
-            return {"world_size": 2}
-
-        async def _request(self, method: str, path: str, **kwargs: Any) -> str:
-            calls.append((method, path, kwargs))
-            return ""
-
-    async def main() -> int:
-        server = GenerationClientServer(Client())
-        await server.init_weight_transfer_engine({"world_size": 3})
-        return await server.get_world_size()
-
-    assert anyio.run(main) == 2
-    assert calls == [
-        ("post", "/init_weight_transfer_engine", {"body": {"init_info": {"world_size": 3}}}),
-        ("get", "/get_world_size", {}),
-    ]
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -642,7 +609,8 @@ def test_full_sync_against_vllm_serve() -> None:
     """
     from transformers import AutoModelForCausalLM
 
-    from harness.generation.client import GenerationClient, SamplingConfig
+    from harness.generation.client import GenerationClient
+    from harness.generation.protocol import SamplingConfig
 
     url = os.environ["VLLM_URL"]
     address = os.environ.get("VLLM_MASTER_ADDRESS", "127.0.0.1")
@@ -651,12 +619,12 @@ def test_full_sync_against_vllm_serve() -> None:
     async def sync(client: GenerationClient, group: VllmNcclGroup, named: list[tuple[str, Any]]) -> None:
         manifest = WeightManifest.of(named)
         await client.pause("keep")
-        await client._request("post", "/start_weight_update", body={"is_checkpoint_format": True})
+        await client.start_weight_update()
         sender = threading.Thread(target=group.send, args=(named,), daemon=True)
         sender.start()
-        await client._request("post", "/update_weights", body={"update_info": update_info(manifest)})
+        await client.send_weight_manifest(update_info(manifest))
         await anyio.to_thread.run_sync(sender.join)
-        await client._request("post", "/finish_weight_update")
+        await client.finish_weight_update()
         await client.resume()
 
     async def main() -> None:
@@ -665,9 +633,7 @@ def test_full_sync_against_vllm_serve() -> None:
             model_id = (await client.model_info()).id
             model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16).cuda()
             named = list(model.named_parameters())
-            group = await VllmNcclGroup.connect_server(
-                GenerationClientServer(client), master_address=address, master_port=port
-            )
+            group = await VllmNcclGroup.connect_server(client, master_address=address, master_port=port)
             try:
                 sampling = SamplingConfig(max_tokens=16, temperature=0.0)
                 prompt = [1, 2, 3, 4, 5, 6, 7, 8]

@@ -1,4 +1,4 @@
-"""Weight sync (harness/weight_sync/strategies.py) against the real built-in server on CPU, with a tiny Qwen3.
+"""Weight sync (harness/weight_sync/) against the real built-in server on CPU, with a tiny Qwen3.
 
 The server is an EmbeddedServer (real HTTP, in this process), so a test can read the served model's
 weights and the loaded adapters directly. The trainer side is the same tiny model (seed 0), wrapped in
@@ -16,22 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from harness.generation.client import SamplingConfig
 from harness.generation.client_thread import ClientThread
+from harness.generation.protocol import SamplingConfig
 from harness.server.app import EmbeddedServer
 from harness.server.state import ServerConfig, ServerState
 from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
-from harness.weight_sync.strategies import (
-    LORA_DIR,
-    AdapterWeightSync,
-    BroadcastTransfer,
-    MergedWeightSync,
-    WeightSyncPlan,
-    adapter_name,
-    build_weight_sync,
-    merged_manifest,
-    plan_weight_sync,
-)
+from harness.weight_sync.plan import WeightSyncPlan, build_weight_sync, plan_weight_sync
+from harness.weight_sync.strategies import LORA_DIR, AdapterWeightSync, MergedWeightSync, adapter_name
+from harness.weight_sync.transports import BroadcastTransfer, merged_manifest
 
 peft = pytest.importorskip("peft")
 
@@ -184,47 +176,13 @@ def test_an_adapter_on_lm_head_is_refused_at_start():
         AsyncGRPOTrainer(wrapped, train_dataset=dataset, processing_class=build_tiny_tokenizer(), **common)
 
 
-class FakeVllmClient:
-    """What the weight sync calls on a GenerationClient, recording the bodies a vLLM server would get."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Any]] = []
-
-    async def server_info(self) -> dict[str, Any]:
-        return vllm_info()
-
-    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        assert path == "/get_world_size"
-        return {"world_size": 1}
-
-    async def _request(self, method: str, path: str, *, body: Any = None, params: Any = None) -> str:
-        self.calls.append((path, body))
-        return ""
-
-    async def pause(self, mode: str = "keep") -> None:
-        self.calls.append(("/pause", mode))
-
-    async def resume(self) -> None:
-        self.calls.append(("/resume", None))
-
-    async def start_weight_update(self) -> None:
-        self.calls.append(("/start_weight_update", None))
-
-    async def send_weight_manifest(self, update_info: dict[str, Any]) -> None:
-        self.calls.append(("/update_weights", update_info))
-
-    async def finish_weight_update(self) -> None:
-        self.calls.append(("/finish_weight_update", None))
-
-
 @pytest.fixture
 def fake_vllm_server():
-    from anyio.from_thread import start_blocking_portal
+    """A fake vLLM server (its /server_info), behind the ClientThread the weight sync drives; it records
+    the bodies a vLLM server would get."""
+    from harness.testing import FakeGenerationServer
 
-    with start_blocking_portal() as portal:
-        server = ClientThread.__new__(ClientThread)
-        server.base_url, server.timeout_s, server.portal = LOCAL, 30.0, portal
-        server.client = FakeVllmClient()
+    with ClientThread(LOCAL, 30.0, client=FakeGenerationServer(server_info=vllm_info())) as server:
         yield server
 
 
@@ -366,7 +324,7 @@ def test_adapter_sync_loads_versions_keeps_the_window_and_deletes_one_sync_later
 def test_without_lora_support_the_adapter_is_merged_through_the_file_with_the_reason_logged(tmp_path, caplog):
     with embedded_server(enable_lora=False) as server, ClientThread(server.base_url, 60) as client:
         model = lora_model(seed=3)
-        with caplog.at_level(logging.INFO, logger="harness.weight_sync.strategies"):
+        with caplog.at_level(logging.INFO, logger="harness.weight_sync"):
             plan = plan_weight_sync(model, client.server_info(), base_url=server.base_url, max_staleness=1)
         assert plan.kind == "file"
         assert "no LoRA support" in caplog.text and "--enable-lora" in caplog.text
@@ -512,7 +470,7 @@ def test_trainer_with_lora_and_a_builtin_server_without_lora_falls_back_to_merge
         train_dataset=conversations(8),
         peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
-    with caplog.at_level(logging.INFO, logger="harness.weight_sync.strategies"):
+    with caplog.at_level(logging.INFO, logger="harness.weight_sync"):
         assert trainer.train().global_step == 2
     reason = "weight sync: file (merged sync instead of adapter sync: the server has no LoRA support"
     assert reason in caplog.text

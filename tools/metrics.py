@@ -99,6 +99,21 @@ class ToolStats:
             out["tools/hung_threads"] = hung_threads
         return out
 
+    def weights(self) -> dict[str, float]:
+        """What each mean in `summary()` is a mean over (calls, or turns that called tools), so a caller that
+        folds several windows together (`harness.metrics.MetricsWindow.add(name, value, weight)`) weights
+        each by what it counted; names not listed are counts or gauges (weight 1)."""
+        out: dict[str, float] = {
+            f"tools/{name}/latency_s": per_tool.calls for name, per_tool in self._per_tool.items()
+        }
+        out["tools/latency_s"] = out["tools/failure_frequency"] = self._calls
+        out["tools/parallel_calls_mean"] = self._turns_with_calls
+        return out
+
+    def __bool__(self) -> bool:
+        """Whether anything was recorded since the last reset."""
+        return bool(self._calls or self._parse_errors_by_family)
+
     def reset(self) -> None:
         """Start a new window."""
         self._per_tool.clear()

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from environments.coding.tasks import CodingTask
-from sandboxes.base import SandboxSpec, create_sandbox
+from sandboxes.backends import create_sandbox
+from sandboxes.base import SandboxSpec
 
 RUNNER_SOURCE = (Path(__file__).parent / "runner.py").read_text(encoding="utf-8")
 CASE_TIMEOUT_S = 5.0

@@ -42,160 +42,32 @@ Shutdown: `aclose()` (or leaving `async with`) closes both connection pools; in-
 from __future__ import annotations
 
 import json
-import math
 import random
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import anyio
 import openai
 
+from harness.generation.protocol import (
+    Completion,
+    ModelInfo,
+    PauseMode,
+    ProtocolMismatchError,
+    SamplingConfig,
+    ServerRequestError,
+    ServerUnavailableError,
+    parse_top_logprobs,
+)
 from harness.generation.server_load import ServerLoad
-from harness.types import TurnRecord
 
 T = TypeVar("T")
-FinishReason = Literal["stop", "length", "prompt_too_long"]
-PauseMode = Literal["keep", "wait", "abort"]
-
 # Phrases of vLLM's (and the built-in server's) 400 answers for a prompt that does not fit max_model_len.
 _CONTEXT_LENGTH_PHRASES = ("maximum context length", "maximum model length", "longer than the maximum")
 _CONTROL_CONNECTIONS = 16
-
-
-class GenerationError(Exception):
-    """Base of the client's errors."""
-
-
-class ServerUnavailableError(GenerationError, ConnectionError):
-    """The server could not be reached or kept failing (transient errors outlasted the retries)."""
-
-
-class ServerRequestError(GenerationError, ValueError):
-    """The server refused a request with a 4xx (deterministic: never retried).
-
-    Attributes:
-        status: The HTTP status.
-        message: The server's error message.
-    """
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(status, message)
-        self.status = status
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"{self.status}: {self.message}"
-
-
-class ProtocolMismatchError(GenerationError, ValueError):
-    """The server answered, but not in the shape the protocol promises (e.g. vLLM too old for token ids)."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling settings of one generation request (the trainer config's names in brackets).
-
-    Attributes:
-        max_tokens: Most tokens to generate (max_completion_length).
-        temperature: Softmax temperature; 0 is greedy (temperature).
-        top_p: Nucleus mass, 1 disables (top_p).
-        top_k: Top-k truncation, 0 disables (top_k).
-        min_p: Min-p truncation, 0 disables (min_p).
-        repetition_penalty: 1 disables (repetition_penalty).
-        num_logprobs: Top log-probs per generated token to return (num_sampler_logprobs); 0 returns only the
-            sampled tokens' log-probs.
-    """
-
-    max_tokens: int = 2048
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    num_logprobs: int = 8
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.num_logprobs < 0:
-            raise ValueError(f"num_logprobs must be non-negative, got {self.num_logprobs}")
-
-
-@dataclass(frozen=True)
-class Completion:
-    """What one generation request produced, ready for a TurnRecord.
-
-    Attributes:
-        output_ids: Generated token ids (a stop token included).
-        output_log_probs: The sampler's (processed) log-prob of each output token.
-        output_sampler_logprobs: Per output token, the sampler's num_logprobs most likely tokens
-            {token id: log-prob}, most likely first; None when num_logprobs was 0.
-        finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len reached) or
-            "prompt_too_long" (nothing generated: the prompt already fills max_model_len).
-        stop_reason: The stop token id when a stop_token_ids entry ended it (vLLM's stop_reason), else None.
-        truncation_reason: Why a truncated turn stopped: "max_tokens", "max_model_len", or the server's
-            message for a prompt too long; None when it finished on its own.
-    """
-
-    output_ids: list[int]
-    output_log_probs: list[float]
-    output_sampler_logprobs: list[dict[int, float]] | None
-    finish_reason: FinishReason
-    stop_reason: int | None = None
-    truncation_reason: str | None = None
-
-    @property
-    def truncated(self) -> bool:
-        """True when the turn did not end on its own (the rollout counts as clipped)."""
-        return self.finish_reason != "stop"
-
-    def to_turn_record(self, prompt_ids: list[int]) -> TurnRecord:
-        return TurnRecord(
-            prompt_ids=list(prompt_ids),
-            output_ids=list(self.output_ids),
-            output_log_probs=list(self.output_log_probs),
-            output_sampler_logprobs=self.output_sampler_logprobs,
-        )
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model, from /v1/models: its id and max_model_len (None when the server does not say)."""
-
-    id: str
-    max_model_len: int | None
-
-
-def parse_top_logprobs(entries: list[dict[str, float]] | None, num_logprobs: int) -> list[dict[int, float]]:
-    """vLLM's per-token top_logprobs ({"token_id:<id>": logprob}) as {id: logprob}, num_logprobs most likely.
-
-    vLLM lists the sampled token too, even when it is outside the top K; it is dropped here unless it ranks
-    among the K most likely. NaN values are dropped.
-    """
-    parsed = []
-    for entry in entries or []:
-        pairs = []
-        for key, logprob in (entry or {}).items():
-            if logprob is None or math.isnan(logprob):
-                continue
-            pairs.append((parse_token_key(key), float(logprob)))
-        pairs.sort(key=lambda pair: pair[1], reverse=True)
-        parsed.append(dict(pairs[:num_logprobs]))
-    return parsed
-
-
-def parse_token_key(key: str) -> int:
-    """The id in vLLM's "token_id:<id>" (return_tokens_as_token_ids)."""
-    prefix, _, number = key.partition(":")
-    if prefix != "token_id" or not number.lstrip("-").isdigit():
-        raise ProtocolMismatchError(
-            f"top_logprobs key {key!r} is not token_id:<id> (return_tokens_as_token_ids)"
-        )
-    return int(number)
 
 
 def _is_context_length_error(message: str) -> bool:
@@ -534,6 +406,14 @@ class GenerationClient:
     async def finish_weight_update(self) -> None:
         await self._request("post", "/finish_weight_update")
 
+    async def get_world_size(self) -> int:
+        """GET /get_world_size: the server's workers (vLLM: tensor x pipeline x data parallel)."""
+        return int((await self._json("get", "/get_world_size"))["world_size"])
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """POST /init_weight_transfer_engine: the server's workers join the trainer's broadcast group."""
+        await self._request("post", "/init_weight_transfer_engine", body={"init_info": init_info})
+
     # ------------------------------------------------------------------ LoRA
 
     async def load_lora_adapter(self, name: str, path: str | Path) -> None:
@@ -558,14 +438,4 @@ def _prompt_too_long(message: str) -> Completion:
     )
 
 
-__all__ = [
-    "Completion",
-    "GenerationClient",
-    "GenerationError",
-    "ModelInfo",
-    "ProtocolMismatchError",
-    "SamplingConfig",
-    "ServerRequestError",
-    "ServerUnavailableError",
-    "parse_top_logprobs",
-]
+__all__ = ["GenerationClient"]

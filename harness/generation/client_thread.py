@@ -19,15 +19,24 @@ import concurrent.futures
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.generation.protocol import ServerControl
 
 
 class ClientThread:
-    """A GenerationClient on a private event-loop thread, for the synchronous trainer."""
+    """A GenerationClient on a private event-loop thread, for the synchronous trainer.
 
-    def __init__(self, base_url: str, timeout_s: float = 1800.0):
+    `client`: any `ServerControl` to drive instead of an HTTP client to `base_url` (tests pass
+    `harness.testing.FakeGenerationServer`); it is used as it is and not closed here.
+    """
+
+    def __init__(self, base_url: str = "", timeout_s: float = 1800.0, *, client: ServerControl | None = None):
         self.base_url = base_url
         self.timeout_s = timeout_s
+        self.client: Any = client
+        self._owns_client = client is None
 
     def __enter__(self) -> ClientThread:
         from anyio.from_thread import start_blocking_portal
@@ -36,15 +45,17 @@ class ClientThread:
 
         self._portal_cm = start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
-        self.client = self.portal.call(
-            lambda: GenerationClient(self.base_url, timeout_s=self.timeout_s, max_concurrency=4)
-        )
+        if self._owns_client:
+            self.client = self.portal.call(
+                lambda: GenerationClient(self.base_url, timeout_s=self.timeout_s, max_concurrency=4)
+            )
         self.portal.call(self.client.wait_until_ready)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        with contextlib.suppress(Exception):
-            self.portal.call(self.client.aclose)
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                self.portal.call(self.client.aclose)
         self._portal_cm.__exit__(None, None, None)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:

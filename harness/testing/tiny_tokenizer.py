@@ -250,7 +250,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @functools.lru_cache(maxsize=1)
-def _tiny_vocab_info() -> tuple[int, dict[str, int]]:
+def tiny_vocab_info() -> tuple[int, dict[str, int]]:
     """Size of the tiny tokenizer's vocabulary (added tokens included) and the ids of its added tokens."""
     tokenizer = Tokenizer.from_str(_tiny_tokenizer_json())
     ids = {content: tokenizer.token_to_id(content) for content, _ in TINY_SPECIAL_TOKENS}

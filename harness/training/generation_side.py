@@ -10,7 +10,7 @@ in the reverse one):
                          merged in) from a temporary folder (`_saved_model_for_server`; every process helps
                          gather them under FSDP2)
     _open_weight_sync    every process: rank 0 chooses how the policy reaches the server from its
-                         /server_info (harness/weight_sync/strategies.py) and broadcasts the plan; each
+                         /server_info (harness/weight_sync/plan.py) and broadcasts the plan; each
                          process builds and starts its part of the strategy
     _start_worker        rank 0: the rollout worker process (harness/rollout/worker.py) running `loop_cls`
                          against the server, from the first prompt not yet trained on, at the current
@@ -34,7 +34,8 @@ import torch
 
 from harness.config import AsyncGRPOConfig
 from harness.rollout.worker import RolloutWorker
-from harness.weight_sync.strategies import WeightSync, build_weight_sync, plan_weight_sync
+from harness.weight_sync.plan import build_weight_sync, plan_weight_sync
+from harness.weight_sync.strategies import WeightSync
 
 
 class GenerationSideMixin:

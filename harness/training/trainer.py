@@ -56,7 +56,8 @@ from harness.training.generation_side import GenerationSideMixin
 from harness.training.loss import LossConfig, fused_policy_loss
 from harness.training.moe import router_aux_loss, router_aux_loss_coef
 from harness.types import GroupResult, TrainingSample
-from harness.weight_sync.strategies import WeightSync, check_no_lm_head_adapter
+from harness.weight_sync.plan import check_no_lm_head_adapter
+from harness.weight_sync.strategies import WeightSync
 
 log = logging.getLogger(__name__)
 

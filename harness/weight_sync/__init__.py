@@ -1,7 +1,9 @@
 """Weight sync: how the trainer's policy reaches the generation servers after a step.
 
-    strategies.py   the choice (plan_weight_sync, from a server's /server_info) and the strategies:
-                    AdapterWeightSync (versioned LoRA adapters) and MergedWeightSync (pause, transfer, resume)
+    plan.py         the choice, once at start (plan_weight_sync, from a server's /server_info)
+    strategies.py   AdapterWeightSync (versioned LoRA adapters) and MergedWeightSync (pause, transfer,
+                    resume)
+    transports.py   how merged weights cross: a shared-memory file, or a broadcast group
     wire.py         what crosses to the server, on both sides: the manifest, the shared-memory file, the
                     torch.distributed broadcast group
     vllm_nccl.py    vLLM's NCCL weight-transfer group and request bodies
@@ -19,8 +21,8 @@ _EXPORTS: dict[str, str] = {
     "MergedWeightSync": "harness.weight_sync.strategies",
     "WeightManifest": "harness.weight_sync.wire",
     "WeightSync": "harness.weight_sync.strategies",
-    "WeightSyncPlan": "harness.weight_sync.strategies",
-    "plan_weight_sync": "harness.weight_sync.strategies",
+    "WeightSyncPlan": "harness.weight_sync.plan",
+    "plan_weight_sync": "harness.weight_sync.plan",
 }
 
 __all__ = sorted(_EXPORTS)

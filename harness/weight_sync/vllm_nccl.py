@@ -32,7 +32,7 @@ packed_tensor.py in vllm-project/vllm):
   so packing bucket k+1 overlaps the broadcast of bucket k.
 
 NCCL has no timeout: run `send` on a background thread while the HTTP /update_weights call (which has
-one) runs on the caller's thread, as `harness.weight_sync.strategies.BroadcastTransfer` does (posting
+one) runs on the caller's thread, as `harness.weight_sync.transports.BroadcastTransfer` does (posting
 `update_info(manifest)`, not a body of its own: vLLM rejects keys it does not know).
 
 What was run, and what was not: only CPU code, on a CPU-only machine without vLLM (torch 2.13 CPU):
@@ -56,7 +56,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from harness.weight_sync.wire import (
     DEFAULT_BUFFER_SIZE_BYTES,
@@ -67,6 +67,8 @@ from harness.weight_sync.wire import (
 
 if TYPE_CHECKING:
     import torch
+
+    from harness.generation.protocol import ServerControl
 
 VLLM_INSTALL_HINT = 'pip install "agent-harness[vllm]"'
 DEFAULT_NUM_BUFFERS = 2
@@ -316,37 +318,13 @@ def _make_streams(device: torch.device, count: int) -> list[Any]:
 # ------------------------------------------------------------------------------------------------- group
 
 
-class WeightTransferServer(Protocol):
-    """The two HTTP calls that form a transfer group: `connect_server`'s, and the built-in server's group's
-    (`harness.weight_sync.strategies.BroadcastTransfer`). `GenerationClientServer` adapts a
-    GenerationClient."""
-
-    async def get_world_size(self) -> int: ...
-
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
-
-
-class GenerationClientServer:
-    """`WeightTransferServer` over a `harness.generation.client.GenerationClient` (its typed errors, its
-    timeouts)."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    async def get_world_size(self) -> int:
-        return int((await self.client._json("get", "/get_world_size"))["world_size"])
-
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        await self.client._request("post", "/init_weight_transfer_engine", body={"init_info": init_info})
-
-
 class VllmNcclGroup:
     """The trainer (rank 0) of vLLM's NCCL weight-transfer group; swaps in for `BroadcastGroup`.
 
-    Usage (the trainer, once, then per sync; `harness.weight_sync.strategies.BroadcastTransfer` does this):
+    Usage (the trainer, once, then per sync; `harness.weight_sync.transports.BroadcastTransfer` does this):
 
         group = await VllmNcclGroup.connect_server(
-            GenerationClientServer(client), master_address=trainer_ip, master_port=port)
+            client, master_address=trainer_ip, master_port=port)   # a harness.generation ServerControl
         # per sync, between /start_weight_update and /finish_weight_update: a thread runs
         # group.send(named_tensors, manifest=manifest) while /update_weights carries update_info(manifest)
         group.close()
@@ -432,7 +410,7 @@ class VllmNcclGroup:
     @classmethod
     async def connect_server(
         cls,
-        server: WeightTransferServer,
+        server: ServerControl,
         *,
         master_address: str,
         master_port: int,
@@ -631,11 +609,9 @@ def _close_later(thread: threading.Thread, outcome: dict[str, Any]) -> None:
 __all__ = [
     "DEFAULT_NUM_BUFFERS",
     "VLLM_INSTALL_HINT",
-    "GenerationClientServer",
     "VllmNcclApi",
     "VllmNcclGroup",
     "VllmUnavailableError",
-    "WeightTransferServer",
     "check_vllm_layout",
     "group_world_size",
     "init_info",

@@ -18,8 +18,8 @@ Two transports share one manifest (`WeightManifest`: names, dtype names, shapes,
   are vLLM's, but the group is a plain torch.distributed one: a vLLM server forms its group through its
   own stateless process group and pynccl, which this class does not speak.
 
-Who talks to it: on the trainer's side `harness.weight_sync.strategies.FileTransfer` (`write_weights_file`)
-and `harness.weight_sync.strategies.BroadcastTransfer` (`BroadcastGroup`, rank 0); the built-in server's
+Who talks to it: on the trainer's side `harness.weight_sync.transports.FileTransfer` (`write_weights_file`)
+and `harness.weight_sync.transports.BroadcastTransfer` (`BroadcastGroup`, rank 0); the built-in server's
 routes (`harness/server/app.py`) read files and receive broadcasts, then `check_manifest` and
 `copy_into_model`.
 """

@@ -1,0 +1,163 @@
+"""Which weight-sync strategy a run uses: chosen once at start, on rank 0, from the server's /server_info.
+
+    plan = plan_weight_sync(model, client.server_info(), base_url=..., max_staleness=...)   # rank 0
+    sync = build_weight_sync(plan, server=client, is_main=..., world_size=..., ...)         # every rank
+
+Adapter sync (`AdapterWeightSync`) when the policy is a PEFT LoRA model and the server reports LoRA support
+(server_info lora_config with max_loras >= max_staleness + 2 and the adapter's rank within max_lora_rank,
+one data-parallel engine); else merged weights (`MergedWeightSync`): through the shared-memory file for the
+built-in server on this host, else through a broadcast group. One log line says which and why.
+
+Who talks to it: harness/training/generation_side.py plans and builds at start; the strategies are in
+strategies.py, the transports they move merged weights with in transports.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.weight_sync.strategies import AdapterWeightSync, MergedWeightSync, WeightSync
+from harness.weight_sync.transports import BroadcastTransfer, FileTransfer, is_local_url
+
+if TYPE_CHECKING:
+    import torch
+
+    from harness.generation.client_thread import ClientThread
+
+log = logging.getLogger(__name__)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class WeightSyncPlan:
+    """What `plan_weight_sync` chose: "adapter", "file" or "broadcast", and why (for the log)."""
+
+    kind: str
+    reason: str
+    adapter_rank: int | None = None
+
+
+def check_no_lm_head_adapter(peft_config: Any) -> None:
+    """Refuse an adapter that trains lm_head (target_modules or modules_to_save): raise ValueError."""
+    targets = getattr(peft_config, "target_modules", None)
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    modules = list(getattr(peft_config, "modules_to_save", None) or [])
+    if any("lm_head" in str(name) for name in [*names, *modules]):
+        raise ValueError(
+            "PEFT adapters on lm_head are not supported: the trainer's log-prob head reads the base output "
+            "embedding directly (an adapter there would not be trained or synced), and neither vLLM nor "
+            "the built-in server serves LoRA on lm_head at run time. Remove lm_head from target_modules "
+            "and modules_to_save (target_modules='all-linear' already leaves it out)."
+        )
+
+
+def lora_config_of(model: Any) -> Any | None:
+    """The active LoRA config of a PEFT LoRA model; None for any other model."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None
+    active = getattr(model, "active_adapter", None)
+    config = configs.get(active) if isinstance(active, str) else next(iter(configs.values()))
+    if config is None or str(getattr(config, "peft_type", "")).split(".")[-1].upper() != "LORA":
+        return None
+    return config
+
+
+def lora_rank(config: Any) -> int:
+    return max([int(config.r), *(int(r) for r in (getattr(config, "rank_pattern", None) or {}).values())])
+
+
+def plan_weight_sync(
+    model: Any,
+    server_info: dict[str, Any],
+    *,
+    base_url: str,
+    max_staleness: int,
+) -> WeightSyncPlan:
+    """Choose how the policy reaches the server (see the module docstring) and log it; rank 0 only."""
+    plan = _plan(model, server_info, base_url=base_url, max_staleness=max_staleness)
+    log.info("weight sync: %s (%s)", plan.kind, plan.reason)
+    return plan
+
+
+def _plan(model: Any, server_info: dict[str, Any], *, base_url: str, max_staleness: int) -> WeightSyncPlan:
+    builtin = str(server_info.get("server", "")).startswith("agent-harness")
+    merged = "file" if builtin and is_local_url(base_url) else "broadcast"
+    config = lora_config_of(model)
+    if config is None:
+        return WeightSyncPlan(merged, "the policy is not a PEFT LoRA model")
+    rank = lora_rank(config)
+    vllm_config = server_info.get("vllm_config") or {}
+    lora = vllm_config.get("lora_config")
+    data_parallel = int((vllm_config.get("parallel_config") or {}).get("data_parallel_size") or 1)
+    needed = max_staleness + 2
+    problem = None
+    if not lora:
+        problem = (
+            "the server has no LoRA support (server_info lora_config is null, or no /server_info: vLLM "
+            "needs VLLM_SERVER_DEV_MODE=1); for adapter sync start it with --enable-lora "
+            f"--max-lora-rank {_lora_rank_flag(rank)} --max-loras {needed} (vLLM: and "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)"
+        )
+    elif data_parallel > 1:
+        problem = f"data-parallel servers (data_parallel_size={data_parallel}) cannot take runtime adapters"
+    elif getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
+        problem = "the adapter uses DoRA or modules_to_save, which runtime adapter loading does not serve"
+    elif int(lora.get("max_loras") or 0) < needed:
+        problem = (
+            f"the server's max_loras={lora.get('max_loras')} is below max_staleness + 2 = {needed}; "
+            f"restart it with --max-loras {needed}"
+        )
+    elif int(lora.get("max_lora_rank") or 0) < rank:
+        problem = (
+            f"the adapter's rank {rank} is over the server's max_lora_rank={lora.get('max_lora_rank')}; "
+            f"restart it with --max-lora-rank {_lora_rank_flag(rank)}"
+        )
+    if problem is not None:
+        return WeightSyncPlan(merged, f"merged sync instead of adapter sync: {problem}")
+    return WeightSyncPlan("adapter", f"the server serves LoRA adapters (rank {rank} adapter)", rank)
+
+
+def _lora_rank_flag(rank: int) -> int:
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+
+
+def build_weight_sync(
+    plan: WeightSyncPlan,
+    *,
+    server: ClientThread | None,
+    is_main: bool,
+    world_size: int,
+    output_dir: str | Path,
+    max_staleness: int,
+    device: torch.device | str = "cpu",
+    base_url: str = "",
+) -> WeightSync:
+    """The strategy of `plan`, on every process (rank 0 talks to the server through `server`)."""
+    if plan.kind == "adapter":
+        return AdapterWeightSync(
+            server, output_dir, window=max_staleness + 1, is_main=is_main, world_size=world_size
+        )
+    if plan.kind == "file":
+        return MergedWeightSync(FileTransfer(), server, is_main=is_main, world_size=world_size)
+    if plan.kind == "broadcast":
+        transfer = BroadcastTransfer(device=device)
+        if is_main:
+            transfer.connect(server, base_url)
+        return MergedWeightSync(transfer, server, is_main=is_main, world_size=world_size)
+    raise ValueError(f"unknown weight sync kind {plan.kind!r}")
+
+
+__all__ = [
+    "VLLM_LORA_RANKS",
+    "WeightSyncPlan",
+    "build_weight_sync",
+    "check_no_lm_head_adapter",
+    "lora_config_of",
+    "lora_rank",
+    "plan_weight_sync",
+]

@@ -1,0 +1,259 @@
+"""Transports for merged weights: how MergedWeightSync's stream of (name, tensor) reaches the server.
+
+    FileTransfer        one file in /dev/shm that the built-in server on this host reads
+    BroadcastTransfer   a process group the server joined (trainer = rank 0): torch.distributed for the
+                        built-in server (NCCL on GPU, gloo on CPU), vLLM's own NCCL group for vLLM
+
+Each has `send(server, model, weights)` (the start/manifest/finish requests of one sync, and the bytes)
+and `close()`. Who talks to it: `MergedWeightSync` (strategies.py) calls send between pause and resume;
+the receiving side is harness/server/ (the built-in server) or vLLM; what crosses is wire.py's format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import ipaddress
+import queue
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    import torch
+
+    from harness.generation.client_thread import ClientThread
+    from harness.generation.protocol import ServerControl
+    from harness.weight_sync.wire import BroadcastGroup
+
+
+class FileTransfer:
+    """Merged weights through one file in /dev/shm (the built-in server on this host reads it).
+
+    Streams: each tensor is written as it comes (`harness.weight_sync.wire.write_weights_file`), and the
+    manifest, built on the way, is posted after.
+    """
+
+    kind = "file"
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = directory
+
+    def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from harness.weight_sync.wire import default_weights_dir, write_weights_file
+
+        path = Path(self.directory or default_weights_dir()) / f"agent-harness-weights-{uuid.uuid4().hex}.bin"
+        server.call("start_weight_update")
+        try:
+            manifest = write_weights_file(weights, path)
+            server.call("send_weight_manifest", {**manifest.to_update_info(), "path": str(path)})
+            server.call("finish_weight_update")
+        finally:
+            path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        pass
+
+
+class BroadcastTransfer:
+    """Merged weights broadcast over a process group the server joined (trainer = rank 0).
+
+    The group: for the built-in server a torch.distributed one (`harness.weight_sync.wire.BroadcastGroup`);
+    for a vLLM server `harness.weight_sync.vllm_nccl.VllmNcclGroup` (vLLM's stateless group and pynccl;
+    `vllm_api`: fake vLLM classes for tests), whose /init_weight_transfer_engine and /update_weights bodies
+    carry only the keys vLLM accepts. Either way `connect` runs the trainer's rendezvous and
+    /init_weight_transfer_engine at the same time, as each waits for the other. Per sync: the manifest is
+    derived from the parameters' metadata (no tensor gathered), /update_weights carries it on the client's
+    loop thread while this thread gathers the tensors one by one and hands each closed bucket to a sender
+    thread (the collective has no timeout; the HTTP call has one and returns the server's error). At most two
+    buckets are held: the one being sent and the one being filled. Calling `send` per bucket broadcasts
+    exactly what one `send` of all the tensors would: a bucket's own bucket plan is that one bucket.
+    """
+
+    kind = "broadcast"
+
+    def __init__(
+        self,
+        *,
+        device: torch.device | str = "cpu",
+        buffer_size_bytes: int | None = None,
+        vllm_api: Any = None,
+    ) -> None:
+        import torch
+
+        from harness.weight_sync.wire import DEFAULT_BUFFER_SIZE_BYTES
+
+        self.device = torch.device(device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.buffer_size_bytes = buffer_size_bytes or DEFAULT_BUFFER_SIZE_BYTES
+        self.vllm_api = vllm_api
+        self.group: Any = None
+        self.vllm = False
+
+    def connect(self, server: ClientThread, base_url: str) -> None:
+        from harness.weight_sync.vllm_nccl import VllmNcclGroup
+
+        builtin = str(server.server_info().get("server", "")).startswith("agent-harness")
+        address = _address_towards(base_url)
+        port = _free_port(address)
+        endpoint = server.client
+        if builtin:
+            self.group = server.run(self._connect_builtin, endpoint, address, port, server.timeout_s)
+            return
+        self.vllm = True  # VllmUnavailableError (an ImportError naming the fix) when vLLM is not installed
+        self.group = server.run(
+            VllmNcclGroup.connect_server,
+            endpoint,
+            master_address=address,
+            master_port=port,
+            device=self.device,
+            timeout_s=server.timeout_s,
+            vllm=self.vllm_api,
+        )
+
+    async def _connect_builtin(
+        self, endpoint: ServerControl, master_address: str, master_port: int, timeout_s: float
+    ) -> BroadcastGroup:
+        """The built-in server's group: the trainer (rank 0) hosts the store, the server's ranks follow."""
+        import anyio
+
+        from harness.weight_sync.vllm_nccl import group_world_size, init_info
+        from harness.weight_sync.wire import BroadcastGroup
+
+        world_size = group_world_size(await endpoint.get_world_size())
+        connect = functools.partial(
+            BroadcastGroup.connect,
+            master_address=master_address,
+            master_port=master_port,
+            rank=0,
+            world_size=world_size,
+            backend=self.backend,
+            timeout_s=timeout_s,
+            device=self.device,
+        )
+        groups: list[BroadcastGroup] = []
+
+        async def rendezvous() -> None:
+            groups.append(await anyio.to_thread.run_sync(connect))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(rendezvous)
+            body = {**init_info(master_address, master_port, world_size), "backend": self.backend}
+            await endpoint.init_weight_transfer_engine(body)
+        return groups[0]
+
+    def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from harness.weight_sync.wire import WeightTransferError, plan_buckets
+
+        if self.group is None:
+            raise RuntimeError("the broadcast group is not connected")
+        manifest = merged_manifest(model)
+        if self.vllm:
+            from harness.weight_sync.vllm_nccl import update_info
+
+            info = update_info(manifest, self.buffer_size_bytes)  # only keys vLLM accepts
+        else:
+            info = {**manifest.to_update_info(), "packed": True, "buffer_size_bytes": self.buffer_size_bytes}
+        server.call("start_weight_update")
+        http = server.start("send_weight_manifest", info)
+        buckets: queue.Queue = queue.Queue(maxsize=1)
+        errors: list[BaseException] = []
+
+        def send_buckets() -> None:
+            try:
+                while (bucket := buckets.get()) is not None:
+                    self.group.send(bucket, self.buffer_size_bytes)
+            except BaseException as exc:  # reported on the caller's thread
+                errors.append(exc)
+
+        sender = threading.Thread(target=send_buckets, name="weight-sync-broadcast", daemon=True)
+        sender.start()
+
+        def check() -> None:
+            if errors:
+                raise errors[0]
+            if http.done() and http.exception() is not None:
+                raise http.exception()  # type: ignore[misc]
+
+        def hand_over(item: Any) -> None:
+            while True:
+                check()
+                try:
+                    buckets.put(item, timeout=0.2)
+                    return
+                except queue.Full:
+                    continue
+
+        try:
+            for bucket in plan_buckets(manifest, self.buffer_size_bytes):
+                tensors = []
+                for index in bucket:
+                    name, tensor = next(weights)
+                    if name != manifest.names[index] or list(tensor.shape) != manifest.shapes[index]:
+                        raise WeightTransferError(
+                            f"weight {index} is {name} {list(tensor.shape)}, the manifest said "
+                            f"{manifest.names[index]} {manifest.shapes[index]}"
+                        )
+                    tensors.append((name, tensor))
+                hand_over(tensors)
+            hand_over(None)
+            while sender.is_alive():
+                check()
+                sender.join(timeout=0.2)
+            check()
+            http.result()
+        except BaseException:
+            with contextlib.suppress(queue.Full):
+                buckets.put_nowait(None)
+            raise
+        server.call("finish_weight_update")
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.close()
+
+
+def merged_manifest(model: Any) -> Any:
+    """The WeightManifest `merged_named_parameters(model)` will yield, from metadata alone (no gathering)."""
+    from harness.weight_sync.peft import served_parameters
+    from harness.weight_sync.wire import WeightManifest
+
+    names, dtypes, shapes = [], [], []
+    for name, parameter in served_parameters(model):
+        names.append(name)
+        dtypes.append(str(parameter.dtype).removeprefix("torch."))
+        shapes.append(list(parameter.shape))  # a DTensor's shape is the global one
+    return WeightManifest(names, dtypes, shapes)
+
+
+def is_local_url(url: str) -> bool:
+    """Whether the URL's host is this machine (loopback, or this host's own name)."""
+    host = urlparse(url if "//" in url else f"http://{url}").hostname or ""
+    with contextlib.suppress(ValueError):
+        return ipaddress.ip_address(host).is_loopback
+    return host in ("localhost", socket.gethostname()) or host == socket.getfqdn()
+
+
+def _address_towards(base_url: str) -> str:
+    """This host's address as the server sees it: loopback for a local server, else the routed interface."""
+    if not base_url or is_local_url(base_url):
+        return "127.0.0.1"
+    parsed = urlparse(base_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((parsed.hostname or "127.0.0.1", parsed.port or 80))
+        return probe.getsockname()[0]
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
+
+
+__all__ = ["BroadcastTransfer", "FileTransfer", "is_local_url", "merged_manifest"]
