@@ -1,6 +1,6 @@
 # The two commands of the README. Both create .venv (Python >= 3.11) and install into it:
 #   make demo   install, then run the main job
-#   make test   install everything the tests need, then lint and run the whole test suite
+#   make test   install everything the tests need, then lint (ruff, mypy) and run the whole test suite
 # torch comes from the CPU build (2.13.0) that pip finds on disk; a plain `torch` would pull a CUDA build.
 
 PYTHON ?= python3
@@ -34,6 +34,7 @@ demo: $(VENV)/.demo-installed
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # tests/run.sh also installs and starts a Docker engine when none answers, and builds the sandbox image.
 test: lint

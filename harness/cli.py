@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any, cast
 
 from harness.server.cli import add_serve_command, run_serve
 
@@ -210,7 +211,7 @@ def _tools_schema(targets: Sequence[str]) -> int:
             print(f"error: {target!r} is not MODULE:NAME (e.g. mypkg.tools:search)", file=sys.stderr)
             return 2
         try:
-            obj = importlib.import_module(module_name)
+            obj: Any = importlib.import_module(module_name)
             for part in attr.split("."):
                 obj = getattr(obj, part)
             schemas.append(function_schema(obj))
@@ -285,7 +286,7 @@ def _envs_show(name: str) -> int:
     except EnvironmentsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    sandbox_tools = SandboxTools(None).toolset()  # unbound: only their schemas are printed
+    sandbox_tools = SandboxTools(cast(Any, None)).toolset()  # unbound: only their schemas are printed
     schemas = [Tool.from_callable(getattr(cls, method)).schema for method in tool_method_names(cls, manifest)]
     schemas += [sandbox_tools[tool].schema for tool in manifest.sandbox_tools]
     print(json.dumps({"manifest": manifest.summary(), "tools": schemas}, indent=2))

@@ -26,8 +26,8 @@ from transformers import TrainingArguments
 GenerationServerMode = Literal["auto", "builtin", "external"]
 
 
-def _help(text: str) -> dict[str, Any]:
-    return {"metadata": {"help": text}}
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
 
 
 @dataclass
@@ -35,167 +35,200 @@ class AsyncGRPOConfig(TrainingArguments):
     """Configuration of `AsyncGRPOTrainer`; every field is documented in its `help` metadata."""
 
     # --- defaults that differ from TrainingArguments ---------------------------------------------------
-    logging_steps: float = field(default=1, **_help("Log every this many optimizer steps."))
-    gradient_checkpointing: bool = field(default=True, **_help("Recompute activations in the backward pass."))
-    bf16: bool | None = field(  # type: ignore[assignment]
-        default=None,
-        **_help("Train in bf16 mixed precision. None: True when a CUDA device is there and fp16 is not set."),
+    logging_steps: float = field(default=1, metadata=_help("Log every this many optimizer steps."))
+    gradient_checkpointing: bool = field(
+        default=True, metadata=_help("Recompute activations in the backward pass.")
     )
-    learning_rate: float = field(default=1e-6, **_help("Initial learning rate of AdamW."))
+    bf16: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Train in bf16 mixed precision. None: True when a CUDA device is there and fp16 is not set."
+        ),
+    )
+    learning_rate: float = field(default=1e-6, metadata=_help("Initial learning rate of AdamW."))
     lr_scheduler_type: str = field(
         default="constant",
-        **_help("Learning-rate schedule. Constant by default: the number of steps is not known up front."),
+        metadata=_help(
+            "Learning-rate schedule. Constant by default: the number of steps is not known up front."
+        ),
     )
     ignore_data_skip: bool = field(
-        default=True, **_help("Must stay True: resuming restarts the rollout worker at the trained prompt.")
+        default=True,
+        metadata=_help("Must stay True: resuming restarts the rollout worker at the trained prompt."),
     )
     remove_unused_columns: bool = field(
-        default=False, **_help("Must stay False: every dataset column is passed to the reward functions.")
+        default=False,
+        metadata=_help("Must stay False: every dataset column is passed to the reward functions."),
     )
 
     # --- the model ------------------------------------------------------------------------------------
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        **_help("Keyword arguments for from_pretrained when the model is given as a path or id."),
+        metadata=_help("Keyword arguments for from_pretrained when the model is given as a path or id."),
     )
     dtype: str = field(
         default="float32",
-        **_help(
+        metadata=_help(
             'Dtype to load the model in: "auto", "bfloat16", "float16" or "float32". A dtype in '
             "model_init_kwargs takes precedence."
         ),
     )
-    trust_remote_code: bool = field(default=False, **_help("Allow models and tokenizers that ship code."))
+    trust_remote_code: bool = field(
+        default=False, metadata=_help("Allow models and tokenizers that ship code.")
+    )
     router_aux_loss_coef: float | None = field(
         default=None,
-        **_help(
+        metadata=_help(
             "Weight of a Mixture-of-Experts model's load-balancing loss (logged as aux_loss); None uses the "
             "model config's, 0.0 disables it. Setting it for a dense model raises."
         ),
     )
 
     # --- generation -----------------------------------------------------------------------------------
-    num_generations: int = field(default=8, **_help("Rollouts per prompt (the group size)."))
+    num_generations: int = field(default=8, metadata=_help("Rollouts per prompt (the group size)."))
     max_completion_length: int = field(
-        default=2048, **_help("Most tokens generated per request, so per turn of a multi-turn rollout.")
+        default=2048,
+        metadata=_help("Most tokens generated per request, so per turn of a multi-turn rollout."),
     )
-    temperature: float = field(default=1.0, **_help("Sampling temperature."))
+    temperature: float = field(default=1.0, metadata=_help("Sampling temperature."))
     top_p: float = field(
-        default=1.0, **_help("Nucleus sampling mass, in (0, 1]. Below 1.0, top_k must be set too.")
+        default=1.0, metadata=_help("Nucleus sampling mass, in (0, 1]. Below 1.0, top_k must be set too.")
     )
-    top_k: int = field(default=0, **_help("Top-k sampling; 0 disables it."))
+    top_k: int = field(default=0, metadata=_help("Top-k sampling; 0 disables it."))
     min_p: float | None = field(
-        default=None, **_help("Minimum probability relative to the most likely token; needs top_k when > 0.")
+        default=None,
+        metadata=_help("Minimum probability relative to the most likely token; needs top_k when > 0."),
     )
-    repetition_penalty: float = field(default=1.0, **_help("Repetition penalty of the sampler; 1.0 is none."))
+    repetition_penalty: float = field(
+        default=1.0, metadata=_help("Repetition penalty of the sampler; 1.0 is none.")
+    )
     chat_template_kwargs: dict[str, Any] | str | None = field(
-        default=None, **_help("Extra keyword arguments for apply_chat_template (e.g. enable_thinking).")
+        default=None,
+        metadata=_help("Extra keyword arguments for apply_chat_template (e.g. enable_thinking)."),
     )
     max_tool_calling_iterations: int | None = field(
-        default=None, **_help("Most tool-calling turns per rollout; None for no limit.")
+        default=None, metadata=_help("Most tool-calling turns per rollout; None for no limit.")
     )
 
     # --- the generation server ------------------------------------------------------------------------
     vllm_server_base_url: str = field(
-        default="http://localhost:8000", **_help("Base URL of the vLLM (or built-in) generation server.")
+        default="http://localhost:8000",
+        metadata=_help("Base URL of the vLLM (or built-in) generation server."),
     )
     vllm_server_timeout: float = field(
         default=1800.0,
-        **_help(
+        metadata=_help(
             "Seconds to wait for the server at start-up, per generation request and per weight-sync call."
         ),
     )
 
     # --- training -------------------------------------------------------------------------------------
-    epsilon: float = field(default=0.2, **_help("Lower clipping range of the clipped surrogate."))
+    epsilon: float = field(default=0.2, metadata=_help("Lower clipping range of the clipped surrogate."))
     epsilon_high: float | None = field(
-        default=None, **_help("Upper clipping range; None uses epsilon. DAPO recommends 0.28.")
+        default=None, metadata=_help("Upper clipping range; None uses epsilon. DAPO recommends 0.28.")
     )
     score_centering: bool = field(
-        default=True, **_help("Train with score centering instead of the clipped surrogate objective.")
+        default=True, metadata=_help("Train with score centering instead of the clipped surrogate objective.")
     )
     vllm_importance_sampling_clip_min: float = field(
-        default=0.5, **_help("Tokens whose policy/sampler ratio is below this leave the loss.")
+        default=0.5, metadata=_help("Tokens whose policy/sampler ratio is below this leave the loss.")
     )
     vllm_importance_sampling_clip_max: float = field(
-        default=5.0, **_help("Tokens whose policy/sampler ratio is above this leave the loss.")
+        default=5.0, metadata=_help("Tokens whose policy/sampler ratio is above this leave the loss.")
     )
     num_sampler_logprobs: int = field(
-        default=8, **_help("Top log-probabilities requested from the sampler per token, for score centering.")
+        default=8,
+        metadata=_help("Top log-probabilities requested from the sampler per token, for score centering."),
     )
     token_budget: int | None = field(
         default=None,
-        **_help("Most tokens in one row (shared tokens count once); None uses the server's max_model_len."),
+        metadata=_help(
+            "Most tokens in one row (shared tokens count once); None uses the server's max_model_len."
+        ),
     )
 
     # --- the asynchronous pipeline -------------------------------------------------------------------
     max_concurrent_rollouts: int = field(
-        default=512, **_help("Most rollouts running at once; also the size of the sync-tool thread pool.")
+        default=512,
+        metadata=_help("Most rollouts running at once; also the size of the sync-tool thread pool."),
     )
     max_staleness: int = field(
         default=4,
-        **_help("Most weight updates a sample may lag behind the trained policy before it is dropped."),
+        metadata=_help(
+            "Most weight updates a sample may lag behind the trained policy before it is dropped."
+        ),
     )
-    weight_sync_steps: int = field(default=1, **_help("Optimizer steps between weight syncs to the server."))
+    weight_sync_steps: int = field(
+        default=1, metadata=_help("Optimizer steps between weight syncs to the server.")
+    )
     rollout_worker_timeout: float = field(
-        default=300.0, **_help("Seconds without a heartbeat after which the rollout worker is declared hung.")
+        default=300.0,
+        metadata=_help("Seconds without a heartbeat after which the rollout worker is declared hung."),
     )
 
     # --- logging --------------------------------------------------------------------------------------
-    log_completions: bool = field(default=False, **_help("Log sample completions at each logging step."))
+    log_completions: bool = field(
+        default=False, metadata=_help("Log sample completions at each logging step.")
+    )
     num_completions_to_print: int | None = field(
-        default=None, **_help("How many completions to print when log_completions is set; None prints all.")
+        default=None,
+        metadata=_help("How many completions to print when log_completions is set; None prints all."),
     )
 
     # --- beyond the reference: generation server choice ----------------------------------------------
     generation_server: GenerationServerMode = field(
         default="auto",
-        **_help(
+        metadata=_help(
             '"external": use vllm_server_base_url; "builtin": start the built-in server on the model; '
             '"auto": use the URL when a server answers there, else start the built-in server.'
         ),
     )
     builtin_server_device: str | None = field(
-        default=None, **_help("Device of the built-in server (e.g. 'cpu', 'cuda:1'); None picks one.")
+        default=None, metadata=_help("Device of the built-in server (e.g. 'cpu', 'cuda:1'); None picks one.")
     )
     builtin_server_max_model_len: int = field(
-        default=4096, **_help("max_model_len of the built-in server (prompt plus completion).")
+        default=4096, metadata=_help("max_model_len of the built-in server (prompt plus completion).")
     )
 
     # --- beyond the reference: tools and parsing -----------------------------------------------------
     tool_timeout_s: float = field(
-        default=60.0, **_help("Per-call timeout of tools without one of their own.")
+        default=60.0, metadata=_help("Per-call timeout of tools without one of their own.")
     )
     tool_max_output_chars: int = field(
-        default=16_384, **_help("Tool output cap, in characters, seen by the model.")
+        default=16_384, metadata=_help("Tool output cap, in characters, seen by the model.")
     )
     parallel_tool_calls: bool = field(
-        default=False, **_help("Run the tool calls of one turn concurrently instead of in order.")
+        default=False, metadata=_help("Run the tool calls of one turn concurrently instead of in order.")
     )
     tool_call_format: str | None = field(
-        default=None, **_help("Tool-call format family, overriding detection from the chat template.")
+        default=None, metadata=_help("Tool-call format family, overriding detection from the chat template.")
     )
     render_check_frac: float = field(
         default=0.05,
-        **_help("Fraction of incrementally rendered turns re-rendered in full to check for drift."),
+        metadata=_help("Fraction of incrementally rendered turns re-rendered in full to check for drift."),
     )
 
     # --- beyond the reference: sandboxes and failures ------------------------------------------------
-    sandbox_min_idle: int = field(default=0, **_help("Warm sandboxes kept started per sandbox spec."))
-    sandbox_max_starting: int = field(default=8, **_help("Most sandboxes starting at once per sandbox spec."))
+    sandbox_min_idle: int = field(default=0, metadata=_help("Warm sandboxes kept started per sandbox spec."))
+    sandbox_max_starting: int = field(
+        default=8, metadata=_help("Most sandboxes starting at once per sandbox spec.")
+    )
     sandbox_reuse: bool = field(
-        default=False, **_help("Wipe and reuse a sandbox after a rollout instead of discarding it.")
+        default=False, metadata=_help("Wipe and reuse a sandbox after a rollout instead of discarding it.")
     )
     score_infra_failures: bool = field(
         default=False,
-        **_help(
+        metadata=_help(
             "Score rollouts that failed for infrastructure reasons (a dead sandbox, a server error) "
             "instead of keeping them out of the group statistics and of training."
         ),
     )
-    failure_window: int = field(default=64, **_help("Rollouts over which the failure rate is measured."))
+    failure_window: int = field(
+        default=64, metadata=_help("Rollouts over which the failure rate is measured.")
+    )
     max_failure_frac: float = field(
-        default=0.5, **_help("Stop the run when this fraction of the last failure_window rollouts failed.")
+        default=0.5,
+        metadata=_help("Stop the run when this fraction of the last failure_window rollouts failed."),
     )
 
     def __post_init__(self) -> None:

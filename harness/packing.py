@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -638,7 +639,7 @@ def pair_weight_for_config(config: object) -> float:
     Forward FLOPs of one pair are 4 * heads * head_dim per layer; of one token through the layers' weights,
     2 * (their parameters). Embeddings and the LM head are left out (the head runs on trained tokens only).
     """
-    text = getattr(config, "text_config", None) or config
+    text: Any = getattr(config, "text_config", None) or config
     hidden = text.hidden_size
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

@@ -426,7 +426,7 @@ def _dataset(spec: RunSpec) -> Any:
                 f"data.environment = {data['environment']!r}: that environment has no dataset() generator; "
                 "use data.function or data.path, or leave [data] out and set args.max_steps"
             )
-        build, what = cls.dataset, f"{cls.__name__}.dataset"
+        build, what = getattr(cls, "dataset"), f"{cls.__name__}.dataset"  # noqa: B009 -- a classmethod
     elif "function" in data:
         build, what = _import(data["function"], "data.function"), data["function"]
     else:

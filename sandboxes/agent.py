@@ -68,8 +68,8 @@ BASE_ENV = {
 
 _write_lock = threading.Lock()
 _children_lock = threading.Lock()
-_children = set()  # process group ids of running commands
-_jobs = queue.SimpleQueue()
+_children: "set[int]" = set()  # process group ids of running commands
+_jobs: "queue.SimpleQueue[dict]" = queue.SimpleQueue()
 _workers_lock = threading.Lock()
 _idle_workers = 0
 _workdir = "/"

@@ -214,7 +214,7 @@ class LocalSandbox(ProcessSandbox):
 def remove_tree(path: Path) -> None:
     """Delete a sandbox directory, including what sandboxed code made unreadable (chmod 000 and the like)."""
 
-    def make_writable_and_retry(function, failed_path, _exc_info) -> None:  # type: ignore[no-untyped-def]
+    def make_writable_and_retry(function: Any, failed_path: str, _exc_info: Any) -> None:
         with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(failed_path), 0o700)
             os.chmod(failed_path, 0o700)

@@ -239,7 +239,7 @@ def rank_steps(
     )
     # the gather helper once more, outside the sync: every rank joins, each gets the full tensors
     gathered = full_parameters(model)
-    model_version = trainer.model_version
+    model_version = trainer.counters.model_version
     resumed_diff = None
     if precision == "fp32":
         # a checkpoint written under FSDP2 resumes under FSDP2: weights (LoRA: the adapter), momentum, and the

@@ -77,6 +77,7 @@ def train_policy(out_dir: Path, policy: str, resume: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from harness import AsyncGRPOConfig, AsyncGRPOTrainer
+    from harness.training.generation_side import saved_model_for_server
 
     model_dir = str(out_dir / "model")
     args = AsyncGRPOConfig(
@@ -114,7 +115,7 @@ def train_policy(out_dir: Path, policy: str, resume: bool) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     # the folder a built-in server is started on (every rank gathers, rank 0 writes), again after training
-    with trainer._saved_model_for_server() as folder:
+    with saved_model_for_server(trainer.model, trainer.processing_class, trainer.processes) as folder:
         served = None
         if folder:
             served = {
@@ -126,7 +127,7 @@ def train_policy(out_dir: Path, policy: str, resume: bool) -> dict[str, Any]:
     return {
         "global_step": output.global_step,
         "training_loss": output.training_loss,
-        "model_version": trainer.model_version,
+        "model_version": trainer.counters.model_version,
         "log_history": trainer.state.log_history,
         "start_step": recorder.start_step,
         "steps": recorder.steps,

@@ -21,7 +21,7 @@ HOLD_SANDBOXES = textwrap.dedent(
     """
     import json, sys, anyio
     from sandboxes.backends import create_sandbox
-from sandboxes.base import SandboxSpec
+    from sandboxes.base import SandboxSpec
 
     async def main():
         sandboxes = [create_sandbox(SandboxSpec(backend=sys.argv[1])) for _ in range(10)]

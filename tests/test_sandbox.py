@@ -359,7 +359,7 @@ async def test_missing_image_is_a_typed_error_naming_the_fix():
 
 
 async def test_engine_not_running_is_a_typed_error(monkeypatch, tmp_path):
-    import sandboxes.docker as docker_backend
+    import sandboxes.engine as docker_backend
 
     monkeypatch.setattr(docker_backend, "_client", None)
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")

@@ -171,7 +171,7 @@ def test_the_allowance_counts_tokens_as_the_worker_does(tmp_path):
     produced = sum(group(i).num_tokens for i in range(3))
     assert group(0).num_tokens == PROMPT + GROUP * COMPLETION
     assert plan_rows["forwarded_tokens"] == ROW_OF_THREE < produced  # the system prompt is forwarded once
-    assert trainer.tokens_consumed == pytest.approx(produced)
+    assert trainer.counters.tokens_consumed == pytest.approx(produced)
     trainer._raise_allowance()
     assert worker.allowances[-1] == produced + 2 * produced
 
@@ -194,7 +194,7 @@ def test_stale_samples_free_their_allowance_at_once(tmp_path):
         sample.model_version = 0
     worker = ScriptedWorker([stale, group(1)], held_when_empty=True)
     trainer = trainer_with(worker, tmp_path, max_staleness=1)
-    trainer.model_version = 3
+    trainer.counters.model_version = 3
     for sample in worker.groups[1].samples:
         sample.model_version = 3
     plan_rows = trainer._plan_step()
@@ -202,4 +202,4 @@ def test_stale_samples_free_their_allowance_at_once(tmp_path):
     assert trainer.window.summary()["sample/dropped_stale_count"] == GROUP
     # raised as soon as the stale group was dropped, before any step: its packed tokens count as consumed
     assert worker.allowances[0] == stale.num_tokens + 1 * BUDGET
-    assert trainer.tokens_consumed == pytest.approx(stale.num_tokens + group(1).num_tokens)
+    assert trainer.counters.tokens_consumed == pytest.approx(stale.num_tokens + group(1).num_tokens)

@@ -164,7 +164,7 @@ def test_checkpoint_then_resume_starts_at_the_trained_position(tmp_path, tiny_mo
     second.train(resume_from_checkpoint=str(checkpoint))
     assert second.state.global_step == 3
     assert second.worker.loop_kwargs["dataset_start_index"] == state["trained_position"]
-    assert second.trained_frontier >= state["trained_position"]
+    assert second.counters.trained_position >= state["trained_position"]
 
 
 def test_a_closure_reward_function_is_refused_before_anything_starts(tmp_path, tiny_model_dir):

@@ -64,6 +64,7 @@ def format_number(value: Fraction) -> str:
 
 def _eval(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        assert isinstance(node.value, int | float)
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         value = _eval(node.operand)

@@ -21,7 +21,7 @@ class Toolset(Mapping[str, Tool]):
     def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()):
         self._tools: dict[str, Tool] = {}
         for item in tools:
-            tool = Tool.from_callable(item)
+            tool = item if isinstance(item, Tool) else Tool.from_callable(item)
             if tool.name in self._tools:
                 raise ToolDefinitionError(
                     f"two tools are named '{tool.name}': {self._tools[tool.name].fn!r} and {tool.fn!r}; "

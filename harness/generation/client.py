@@ -54,6 +54,7 @@ import openai
 
 from harness.generation.protocol import (
     Completion,
+    FinishReason,
     ModelInfo,
     PauseMode,
     ProtocolMismatchError,
@@ -187,7 +188,7 @@ class GenerationClient:
     ) -> str:
         """One control call to `path` at the server's root; its body as text. Typed errors, no retries."""
         url = f"{self.root_url}{path}"
-        options: dict[str, Any] = {"params": params} if params else {}
+        options: Any = {"params": params} if params else {}  # the openai package's FinalRequestOptions
         try:
             if method == "get":
                 return await self._control.get(url, cast_to=str, options=options)
@@ -286,7 +287,7 @@ class GenerationClient:
             )
         max_tokens = sampling.max_tokens
         capped = info.max_model_len is not None and len(prompt_ids) + max_tokens > info.max_model_len
-        if capped:
+        if info.max_model_len is not None and capped:
             max_tokens = info.max_model_len - len(prompt_ids)
         request_seed = self._seeds.getrandbits(63) if seed is None else seed
         extra_body: dict[str, Any] = {
@@ -345,7 +346,7 @@ class GenerationClient:
             top = parse_top_logprobs(logprobs.top_logprobs, sampling.num_logprobs)
             if len(top) != len(token_ids):
                 raise ProtocolMismatchError(f"{len(token_ids)} token ids but {len(top)} top_logprobs entries")
-        finish_reason = "stop" if choice.finish_reason == "stop" else "length"
+        finish_reason: FinishReason = "stop" if choice.finish_reason == "stop" else "length"
         truncation_reason = None
         if finish_reason == "length":
             truncation_reason = "max_model_len" if capped and len(token_ids) >= max_tokens else "max_tokens"

@@ -338,8 +338,9 @@ async def _evaluate_on_server(
             conversation.add_reply(output.output_ids, message)
             results = await executor.run(list(parsed.tool_calls), toolset)
             new_messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-            if parsed.errors:
-                new_messages.append(renderer.parser.error_message(parsed))
+            feedback = renderer.parser.error_message(parsed) if parsed.errors and renderer.parser else None
+            if feedback is not None:
+                new_messages.append(feedback)
             completion += new_messages
             conversation.add_messages(new_messages)
 
@@ -567,7 +568,7 @@ def run_demo(settings: DemoSettings, log: Any = print) -> DemoResult:
     output_dir = Path(settings.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     grpo = settings.grpo
-    eval_kwargs = dict(
+    eval_kwargs: dict[str, Any] = dict(
         num_samples=settings.eval_samples,
         temperature=grpo.temperature,
         max_completion_length=grpo.max_completion_length,

@@ -215,7 +215,8 @@ class AsyncRolloutLoop:
                     error_type, f"tool {infrastructure.name}: {infrastructure.content}"
                 )
             new_messages = [_tool_message(result) for result in results]
-            feedback = self.renderer.parser.error_message(parsed) if parsed.errors else None
+            parser = self.renderer.parser
+            feedback = parser.error_message(parsed) if parsed.errors and parser is not None else None
             if feedback is not None:
                 new_messages.append(feedback)
             completion += new_messages

@@ -287,7 +287,13 @@ class Engine:
             outer.set_result(None)
 
         inner = self.call(start_pause)
-        inner.add_done_callback(lambda f: f.exception() and outer.set_exception(f.exception()))
+
+        def forward_failure(future: concurrent.futures.Future) -> None:
+            error = future.exception()
+            if error is not None:
+                outer.set_exception(error)
+
+        inner.add_done_callback(forward_failure)
         return outer
 
     def resume(self) -> concurrent.futures.Future[None]:
@@ -582,7 +588,9 @@ class Engine:
                 finished_rows.append(row)
         for row in sorted(finished_rows, reverse=True):
             request = self._release_row(row)
-            self._finish(request, *self._stop_reason(request, request.tokens[-1]))
+            reason = self._stop_reason(request, request.tokens[-1])
+            assert reason is not None  # the row finished for this reason
+            self._finish(request, *reason)
 
     def _stop_reason(self, request: _Request, token: int) -> tuple[FinishReason, int | None] | None:
         params = request.params

@@ -182,9 +182,10 @@ def start_builtin_server(
 
 @contextlib.contextmanager
 def open_generation_server(
-    base_url: str | None, *, model: str | Path, **builtin_kwargs: object
+    base_url: str | None, *, model: str | Path | None, **builtin_kwargs: object
 ) -> Iterator[str]:
-    """The generation server's base URL for a run: `base_url` if given, else a built-in server's.
+    """The generation server's base URL for a run: `base_url` if given, else a built-in server's (on
+    `model`, a local folder).
 
     Logs one line saying which server is in use; a built-in server is stopped when the block exits.
     """
@@ -192,6 +193,8 @@ def open_generation_server(
         logger.info("generation server: external vLLM-protocol server at %s", base_url)
         yield base_url
         return
+    if model is None:
+        raise ValueError("a built-in generation server needs a model folder to load")
     with start_builtin_server(model, **builtin_kwargs) as server:  # type: ignore[arg-type]
         logger.info(
             "generation server: built-in (harness serve %s, pid %d) at %s", model, server.pid, server.base_url

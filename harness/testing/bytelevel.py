@@ -38,13 +38,13 @@ def _byte_to_unicode() -> dict[int, str]:
     return dict(sorted(mapping.items()))
 
 
-def _bytes_to_token(data: bytes) -> str:
+def bytes_to_token(data: bytes) -> str:
     """Spell raw token bytes the way a byte-level BPE vocabulary stores them."""
     table = _byte_to_unicode()
     return "".join(table[b] for b in data)
 
 
-def _byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     """Split with Qwen's regex, then map bytes to byte-level characters, as Qwen2's tokenizer.json does."""
     return pre_tokenizers.Sequence(
         [
@@ -54,7 +54,7 @@ def _byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _add_tokens_in_order(tokenizer: Tokenizer, tokens: tuple[tuple[str, bool], ...]) -> None:
+def add_tokens_in_order(tokenizer: Tokenizer, tokens: tuple[tuple[str, bool], ...]) -> None:
     """Append added tokens one at a time, so ids follow the given order, keeping each one's special flag."""
     for content, special in tokens:
         token = AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False)
@@ -64,7 +64,7 @@ def _add_tokens_in_order(tokenizer: Tokenizer, tokens: tuple[tuple[str, bool], .
             tokenizer.add_tokens([token])
 
 
-def _wrap_tokenizer(tokenizer_json: str, chat_template: str | None) -> PreTrainedTokenizerFast:
+def wrap_tokenizer(tokenizer_json: str, chat_template: str | None) -> PreTrainedTokenizerFast:
     """A fresh transformers tokenizer (callers may mutate it) from a serialized `tokenizers` tokenizer."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(tokenizer_json),

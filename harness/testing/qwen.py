@@ -17,10 +17,10 @@ from harness.testing.bytelevel import (
     ENDOFTEXT,
     IM_END,
     IM_START,
-    _add_tokens_in_order,
-    _byte_level_pre_tokenizer,
-    _bytes_to_token,
-    _wrap_tokenizer,
+    add_tokens_in_order,
+    byte_level_pre_tokenizer,
+    bytes_to_token,
+    wrap_tokenizer,
 )
 
 # The tokens Qwen3 adds after its 151,643 BPE ranks, in id order, each with its "special" flag as Qwen sets
@@ -108,19 +108,19 @@ def _merge_for(token: bytes, rank: int, ranks: dict[bytes, int]) -> tuple[bytes,
 def _qwen_tokenizer_from_ranks(ranks: dict[bytes, int]) -> Tokenizer:
     """Build the `tokenizers` equivalent of Qwen's tiktoken encoding, with Qwen3's 26 added tokens."""
     ordered = sorted(ranks.items(), key=lambda item: item[1])
-    vocab = {_bytes_to_token(token): rank for token, rank in ordered}
-    merges = [
-        tuple(_bytes_to_token(part) for part in _merge_for(token, rank, ranks))
-        for token, rank in ordered
-        if len(token) > 1
-    ]
+    vocab = {bytes_to_token(token): rank for token, rank in ordered}
+    merges: list[tuple[str, str]] = []
+    for token, rank in ordered:
+        if len(token) > 1:
+            left, right = _merge_for(token, rank, ranks)
+            merges.append((bytes_to_token(left), bytes_to_token(right)))
     # ignore_merges mirrors tiktoken, which looks a whole pre-token up in the vocabulary before merging.
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True, fuse_unk=False))
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer()
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    _add_tokens_in_order(tokenizer, QWEN_SPECIAL_TOKENS)
+    add_tokens_in_order(tokenizer, QWEN_SPECIAL_TOKENS)
     return tokenizer
 
 
@@ -170,4 +170,4 @@ def load_qwen_tokenizer(*, cache_dir: str | Path | None = None) -> PreTrainedTok
     Raises ModuleNotFoundError when `qwen-tokenizer` is not installed.
     """
     directory = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    return _wrap_tokenizer(_qwen_tokenizer_json(_qwen_ranks_file(), directory.resolve()), chat_template=None)
+    return wrap_tokenizer(_qwen_tokenizer_json(_qwen_ranks_file(), directory.resolve()), chat_template=None)

@@ -16,9 +16,9 @@ from harness.testing.bytelevel import (
     ENDOFTEXT,
     IM_END,
     IM_START,
-    _add_tokens_in_order,
-    _byte_level_pre_tokenizer,
-    _wrap_tokenizer,
+    add_tokens_in_order,
+    byte_level_pre_tokenizer,
+    wrap_tokenizer,
 )
 
 # The tiny tokenizer's added tokens, with the same "special" flags as Qwen so that it behaves as a stand-in.
@@ -225,7 +225,7 @@ def _tiny_corpus(num_lines: int = 6000, seed: int = 0) -> Iterator[str]:
 def _tiny_tokenizer_json() -> str:
     """Train the tiny byte-level BPE once per process and return it serialized."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = _byte_level_pre_tokenizer()
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = BpeTrainer(
@@ -236,7 +236,7 @@ def _tiny_tokenizer_json() -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(_tiny_corpus(), trainer=trainer)
-    _add_tokens_in_order(tokenizer, TINY_SPECIAL_TOKENS)
+    add_tokens_in_order(tokenizer, TINY_SPECIAL_TOKENS)
     return tokenizer.to_str()
 
 
@@ -246,12 +246,16 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     The BPE part (1,536 tokens, all 256 bytes included) is trained once per process; each call returns a new
     tokenizer object, so callers may change it freely. The nine added tokens sit after the BPE vocabulary.
     """
-    return _wrap_tokenizer(_tiny_tokenizer_json(), TINY_CHAT_TEMPLATE)
+    return wrap_tokenizer(_tiny_tokenizer_json(), TINY_CHAT_TEMPLATE)
 
 
 @functools.lru_cache(maxsize=1)
 def tiny_vocab_info() -> tuple[int, dict[str, int]]:
     """Size of the tiny tokenizer's vocabulary (added tokens included) and the ids of its added tokens."""
     tokenizer = Tokenizer.from_str(_tiny_tokenizer_json())
-    ids = {content: tokenizer.token_to_id(content) for content, _ in TINY_SPECIAL_TOKENS}
+    ids = {}
+    for content, _ in TINY_SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(content)
+        assert token_id is not None, content  # every special token is in the vocabulary
+        ids[content] = token_id
     return tokenizer.get_vocab_size(with_added_tokens=True), ids

@@ -6,8 +6,8 @@
 What `train()` does, in order (the step itself is `_train_step` with `_train_on_plan`, readable in one place):
 
     start the generation server (the configured URL, or the built-in server on the model), the weight sync
-        and the rollout worker (a spawned process running `loop_cls`, see harness/rollout/loop.py), each as
-        harness/training/generation_side.py says
+        and the rollout worker (a spawned process running `loop_cls`, see harness/rollout/loop.py), each a
+        function of harness/training/generation_side.py
     repeat until max_steps, or until num_train_epochs passes over the prompts are trained on:
         pull group results until a step's rows are full, dropping samples more than max_staleness
             versions old
@@ -20,12 +20,14 @@ What `train()` does, in order (the step itself is `_train_step` with `_train_on_
 
 The trainer extends `transformers.Trainer` for what that does well (optimizer and scheduler creation,
 callbacks, report_to integrations, model saving); the training loop is its own. Several processes
-(`accelerate launch` / `torchrun`): rank 0 runs the worker and the server and feeds every rank its rows;
-the policy is sharded over the processes with FSDP2 (harness/training/fsdp.py), whose reduce-scatter sums the
-rows' gradients; the weight sync gathers one full parameter at a time for rank 0 to send. Every process also
-helps write what rank 0 alone saves: the folder a built-in server starts on (for a model object or a resumed
-run) and each checkpoint. What a checkpoint holds and how a run resumes from it, on any number of processes,
-is harness/training/checkpointing.py (`CheckpointMixin`, which this trainer inherits).
+(`accelerate launch` / `torchrun`): rank 0 runs the worker and the server and feeds every rank its rows
+(`Processes`, harness/training/processes.py); the policy is sharded over the processes with FSDP2
+(harness/training/fsdp.py), whose reduce-scatter sums the rows' gradients; the weight sync gathers one full
+parameter at a time for rank 0 to send. Every process also helps write what rank 0 alone saves: the folder
+a built-in server starts on (for a model object or a resumed run) and each checkpoint. The run's counters
+(policy version, resume position, tokens) are one `RunCounters`; what a checkpoint holds and how a run
+resumes from it, on any number of processes, is harness/training/checkpointing.py (the `Checkpointer` this
+trainer holds).
 """
 
 from __future__ import annotations
@@ -45,16 +47,22 @@ from transformers.trainer_utils import TrainOutput
 
 from environments.routing import check_routes, resolve_environments
 from harness.config import AsyncGRPOConfig
-from harness.generation.client_thread import ClientThread as _ClientThread
+from harness.generation.client_thread import ClientThread
 from harness.metrics import MetricsWindow
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
 from harness.rollout.loop import AsyncRolloutLoop
 from harness.training.attention import prepare_model_for_tree_attention
-from harness.training.checkpointing import CheckpointMixin
+from harness.training.checkpointing import (
+    Checkpointer,
+    RunCounters,
+    checkpoint_directory,
+    load_weights_before_sharding,
+)
 from harness.training.flops import device_peak_flops, training_flops
-from harness.training.generation_side import GenerationSideMixin
+from harness.training.generation_side import generation_server, open_weight_sync, start_rollout_worker
 from harness.training.loss import LossConfig, fused_policy_loss
 from harness.training.moe import router_aux_loss, router_aux_loss_coef
+from harness.training.processes import Processes
 from harness.types import GroupResult, TrainingSample
 from harness.weight_sync.plan import check_no_lm_head_adapter
 from harness.weight_sync.strategies import WeightSync
@@ -62,10 +70,15 @@ from harness.weight_sync.strategies import WeightSync
 log = logging.getLogger(__name__)
 
 
-class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
+class AsyncGRPOTrainer(Trainer):
     """Asynchronous GRPO trainer (the reference's constructor; see the module docstring)."""
 
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop
+    # set by train() (and _setup_run) for the run, read by the step
+    control: Any
+    _weight_sync: WeightSync | None
+    _client: ClientThread | None
+    _token_budget: int | None
 
     def __init__(
         self,
@@ -144,16 +157,43 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         """Run the whole loop (see the module docstring); returns the Trainer's TrainOutput."""
         args: AsyncGRPOConfig = self.args
         self._setup_run(resume_from_checkpoint)
+        processes, counters = self.processes, self.counters
         with contextlib.ExitStack() as stack:
-            base_url = stack.enter_context(self._generation_server())  # every process: it may gather weights
-            if self._is_main:
-                self._client = stack.enter_context(_ClientThread(base_url, args.vllm_server_timeout))
-                self._token_budget = args.token_budget or self._client.max_model_len()
-            self._token_budget = self._broadcast(getattr(self, "_token_budget", None))
-            self._weight_sync = self._open_weight_sync(base_url)
+            base_url = stack.enter_context(  # every process: it may gather the weights for the server
+                generation_server(
+                    args,
+                    processes,
+                    self.model,
+                    self.processing_class,
+                    model_path=self.model_path,
+                    current_weights=bool(self.state.global_step or counters.model_version),
+                )
+            )
+            client = None
+            if processes.is_main:
+                client = stack.enter_context(ClientThread(base_url, args.vllm_server_timeout))
+                self._token_budget = args.token_budget or client.max_model_len()
+            self._client = client
+            self._token_budget = processes.broadcast(self._token_budget)
+            self._weight_sync = open_weight_sync(
+                args, processes, self.model, client, base_url=base_url, version=counters.model_version
+            )
             stack.callback(self._weight_sync.close)  # after the worker stopped: it may use the adapters
-            if self._is_main:
-                self.worker = self._start_worker(base_url)
+            if processes.is_main:
+                assert client is not None
+                self.worker = start_rollout_worker(
+                    args,
+                    self.loop_cls,
+                    self._loop_kwargs(),
+                    base_url=base_url,
+                    model_name=client.model_id(),
+                    tokenizer=self.processing_class,
+                    model=self.model,
+                    weight_sync=self._weight_sync,
+                    start_position=counters.trained_position,
+                    version=counters.model_version,
+                    token_allowance=self._token_allowance(),
+                )
                 stack.callback(self.worker.stop)
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             losses = []
@@ -163,19 +203,32 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
                 self.state.global_step += 1
                 self._after_step(step_metrics)
             self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        if args.world_size > 1:
-            # leave together: a process that exits while rank 0 still stops the worker and the server can
-            # crash in NCCL's watchdog thread at interpreter exit (seen on 2 H200s)
-            self.accelerator.wait_for_everyone()
+        # leave together: a process that exits while rank 0 still stops the worker and the server can crash
+        # in NCCL's watchdog thread at interpreter exit (seen on 2 H200s)
+        processes.barrier()
         mean_loss = float(sum(losses) / len(losses)) if losses else math.nan
         return TrainOutput(self.state.global_step, mean_loss, {"train_loss": mean_loss})
 
     def _setup_run(self, resume_from_checkpoint: str | bool | None) -> None:
         args: AsyncGRPOConfig = self.args
-        checkpoint = self._checkpoint_directory(resume_from_checkpoint) if resume_from_checkpoint else None
+        self.processes = Processes(rank=args.process_index, world_size=args.world_size)
+        checkpoint = None
+        if resume_from_checkpoint:
+            checkpoint = checkpoint_directory(args.output_dir, resume_from_checkpoint)
         if args.world_size > 1:
             self._shard_model(checkpoint)
         self.create_optimizer_and_scheduler(num_training_steps=max(args.max_steps, 1))
+        self.checkpointer = Checkpointer(
+            output_dir=args.output_dir,
+            processes=self.processes,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            tokenizer=self.processing_class,
+            args=args,
+            save_model=self.save_model,
+            load_model=self._load_from_checkpoint,
+        )
         self.loss_config = LossConfig(
             score_centering=args.score_centering,
             epsilon=args.epsilon,
@@ -183,28 +236,40 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
             vllm_importance_sampling_clip_min=args.vllm_importance_sampling_clip_min,
             vllm_importance_sampling_clip_max=args.vllm_importance_sampling_clip_max,
         )
-        self.model_version = 0
+        self.counters = RunCounters()
         self._num_parameters = sum(parameter.numel() for parameter in self.model.parameters())
         self._peak_flops = device_peak_flops(torch.device(args.device), half_precision=args.bf16 or args.fp16)
-        self._weight_sync: WeightSync | None = None
-        self.trained_positions: set[int] = set()
-        self.trained_frontier = 0  # the first prompt position not yet trained on (or dropped)
+        self._weight_sync = None
+        self._client = None
+        self._token_budget = None
+        self.trained_positions: set[int] = set()  # done positions past counters.trained_position
         self.pending: list[TrainingSample] = []
         self.window = MetricsWindow()
-        self.tokens_consumed = 0
-        self.num_tokens_total = 0
-        self.last_step_tokens = 0
-        self.prompts_done = 0
         self._finished_worker = False
         self.state.global_step = 0
         self.state.max_steps = args.max_steps if args.max_steps > 0 else 0
         self.pair_weight = pair_weight_for_config(self.model.config)
         if checkpoint is not None:
-            self._resume(checkpoint)
+            self.counters, self.state.global_step = self.checkpointer.load(checkpoint)
 
     @property
     def _is_main(self) -> bool:
         return self.args.process_index == 0
+
+    def _loop_kwargs(self) -> dict[str, Any]:
+        """What the rollout loop is built with, beyond what the worker and the run add."""
+        return {
+            "dataset": self.train_dataset,
+            "reward_funcs": self.reward_funcs,
+            "tools": self.tools,
+            "environment_factory": self.environment_factory,
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Write checkpoint-<global_step>/: weights, optimizer, scheduler and the run's counters."""
+        directory = self.checkpointer.save(self.state, self.counters)
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        return directory
 
     def _shard_model(self, checkpoint: Path | None = None) -> None:
         """Several processes: shard the policy with FSDP2 (harness/training/fsdp.py), before the optimizer
@@ -238,7 +303,7 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
             )
         args: AsyncGRPOConfig = self.args
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        settings: dict[str, Any] = {"mp_policy": mixed_precision_policy(args.bf16, args.fp16)}
+        settings: dict[str, Any] = {"mp_policy": mixed_precision_policy(bool(args.bf16), args.fp16)}
         if plugin is not None:
             if getattr(plugin, "fsdp_version", 1) != 2:
                 raise ValueError("sharded training uses FSDP2: set fsdp_version: 2 in the FSDP config")
@@ -253,7 +318,7 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         self.model.to(device)
         if checkpoint is not None:
             use_float32_master_weights(self.model, settings["mp_policy"])  # saved float32 weights stay exact
-            self._load_weights_before_sharding(checkpoint)
+            load_weights_before_sharding(self.model, checkpoint, self.processes)
         shard_model(self.model, mesh=init_device_mesh(device.type, (args.world_size,)), **settings)
 
     # --- one training step ----------------------------------------------------------------------------
@@ -263,8 +328,8 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         args: AsyncGRPOConfig = self.args
         step_started = time.monotonic()
         # rank 0 plans every rank's rows; the prompts it has seen done set every rank's epoch
-        planned = (self._plan_step(), self.prompts_done) if self._is_main else None
-        plan_rows, self.prompts_done = self._broadcast(planned)
+        planned = (self._plan_step(), self.counters.prompts_done) if self._is_main else None
+        plan_rows, self.counters.prompts_done = self.processes.broadcast(planned)
         waited = time.monotonic() - step_started
         out = self._train_on_plan(plan_rows)
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
@@ -281,13 +346,13 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         )
         self.window.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, out["perf/fwd_bwd_s"])
         self.window.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
-        if getattr(self, "_peak_flops", None):  # each process's share of the arithmetic, over its peak
+        if self._peak_flops:  # each process's share of the arithmetic, over its peak
             share = training_flops(self._num_parameters, forwarded) / args.world_size / self._peak_flops
             self.window.add_rate("perf/fwd_bwd_mfu", share, out["perf/fwd_bwd_s"])
             self.window.add_rate("perf/wall_clock_mfu", share, step_s)
         self.window.add_rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
-        self.num_tokens_total += forwarded
-        out["num_tokens"] = self.num_tokens_total
+        self.counters.num_tokens += forwarded
+        out["num_tokens"] = self.counters.num_tokens
         return out
 
     def _train_on_plan(self, plan_rows: dict[str, Any]) -> dict[str, float]:
@@ -385,6 +450,7 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         """
         args: AsyncGRPOConfig = self.args
         window = self.window
+        assert self._token_budget is not None  # train() sets it from the config or the server
         nothing_coming, plan = False, None
         while True:
             if plan is None:  # planned again only when samples arrived, not after each empty wait
@@ -427,14 +493,14 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         self.pending = [sample for i, sample in enumerate(self.pending) if i not in used]
         for sample in stepped:
             window.add("sample/time_in_queue_s", now - sample.queued_at)
-            window.add("sample/staleness_mean", self.model_version - sample.model_version)
-            window.add("sample/staleness_max", self.model_version - sample.model_version)
+            window.add("sample/staleness_mean", self.counters.model_version - sample.model_version)
+            window.add("sample/staleness_max", self.counters.model_version - sample.model_version)
             window.add("sample/forwarded_tokens_mean", len(sample.sequence.input_ids))
             window.add("sample/forwarded_tokens_max", len(sample.sequence.input_ids))
             window.add("sample/trained_tokens_mean", sample.sequence.num_trained)
         # counted in the worker's unit (its GroupResult.num_tokens), so its allowance stays exact
-        self.last_step_tokens = _token_shares(stepped)
-        self.tokens_consumed += self.last_step_tokens + _token_shares(dropped)
+        self.counters.last_step_tokens = _token_shares(stepped)
+        self.counters.tokens_consumed += self.counters.last_step_tokens + _token_shares(dropped)
         metrics = batch_metrics(plan)
         forwarded = sum(row.num_tokens for mb in plan.micro_batches for row in mb.rows)
         trained = sum(row.num_trained for mb in plan.micro_batches for row in mb.rows)
@@ -453,14 +519,15 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
             self._finished_worker = self.worker.finished
             return False
         self._account(result)
-        fresh, stale = [], []
+        fresh: list[TrainingSample] = []
+        stale: list[TrainingSample] = []
         for sample in result.samples:
             sample.token_share = result.num_tokens / len(result.samples)
-            is_stale = self.model_version - sample.model_version > self.args.max_staleness
+            is_stale = self.counters.model_version - sample.model_version > self.args.max_staleness
             (stale if is_stale else fresh).append(sample)
         if stale:
             self.window.add("sample/dropped_stale_count", len(stale))
-            self.tokens_consumed += _token_shares(stale)
+            self.counters.tokens_consumed += _token_shares(stale)
             self._raise_allowance()  # dropped samples free their share of the allowance now
         self.pending += fresh
         self.window.add("rollout/queue_size", len(self.pending))
@@ -468,11 +535,12 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
 
     def _account(self, result: GroupResult) -> None:
         """A prompt is done (trained on, dropped or filtered): advance the resume position."""
+        counters = self.counters
         self.trained_positions.add(result.position)
-        while self.trained_frontier in self.trained_positions:
-            self.trained_positions.discard(self.trained_frontier)
-            self.trained_frontier += 1
-        self.prompts_done = getattr(self, "prompts_done", 0) + 1
+        while counters.trained_position in self.trained_positions:
+            self.trained_positions.discard(counters.trained_position)
+            counters.trained_position += 1
+        counters.prompts_done += 1
 
     # --- after a step ---------------------------------------------------------------------------------
 
@@ -486,7 +554,7 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         self.window.add_many(step_metrics)
         dataset_size = len(self.train_dataset) if _sized(self.train_dataset) else 0
         if dataset_size:
-            self.state.epoch = self.prompts_done / dataset_size
+            self.state.epoch = self.counters.prompts_done / dataset_size
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         if self.state.global_step % max(int(args.logging_steps), 1) == 0:
             # NaN means "nothing recorded this window" (e.g. fork_frac without multi-turn rollouts)
@@ -502,10 +570,12 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
     def _token_allowance(self) -> int:
         """What the worker may have produced in all: max(max_staleness, 1) steps' tokens beyond what was
         consumed (a step's tokens: the last step's, before the first one full rows)."""
-        step_tokens = self.last_step_tokens or (
+        assert self._token_budget is not None
+        step_tokens = self.counters.last_step_tokens or (
             self._token_budget * self.args.world_size * self.args.gradient_accumulation_steps
         )
-        return math.ceil(self.tokens_consumed + max(self.args.max_staleness, 1) * max(step_tokens, 1))
+        consumed = self.counters.tokens_consumed
+        return math.ceil(consumed + max(self.args.max_staleness, 1) * max(step_tokens, 1))
 
     def _raise_allowance(self) -> None:
         self.worker.set_token_allowance(self._token_allowance())
@@ -515,38 +585,26 @@ class AsyncGRPOTrainer(CheckpointMixin, GenerationSideMixin, Trainer):
         if args.max_steps > 0:
             return self.state.global_step >= args.max_steps
         if not _sized(self.train_dataset):
-            return bool(self._broadcast(self._finished_worker and not self.pending))  # rank 0 knows
+            return bool(self.processes.broadcast(self._finished_worker and not self.pending))  # rank 0 knows
         target = math.ceil(args.num_train_epochs * len(self.train_dataset))
-        done = getattr(self, "prompts_done", 0) >= target or (self._finished_worker and not self.pending)
-        return bool(self._broadcast(done))
+        done = self.counters.prompts_done >= target or (self._finished_worker and not self.pending)
+        return bool(self.processes.broadcast(done))
 
     # --- weight sync -----------------------------------------------------------------------------------
 
     def _sync_weights(self) -> dict[str, float]:
         """Push the policy to the server as the next version, then bump it; the perf/weight_sync_* timings.
 
-        The strategy (harness/weight_sync/strategies.py) is the one `train()` opened (`_open_weight_sync`); a
-        caller that drives steps itself sets `self._weight_sync` first (tests/test_fsdp.py does).
+        The strategy (harness/weight_sync/) is the one `train()` opened (`open_weight_sync`); a caller that
+        drives steps itself sets `self._weight_sync` first (tests/test_fsdp.py does).
         """
         if self._weight_sync is None:
             raise RuntimeError("no weight-sync strategy: train() opens one before the first step")
-        timings = self._weight_sync.sync(self.model, self.model_version + 1)
-        self.model_version += 1
+        timings = self._weight_sync.sync(self.model, self.counters.model_version + 1)
+        self.counters.model_version += 1
         if self._is_main:
-            self.worker.set_model_version(self.model_version)
+            self.worker.set_model_version(self.counters.model_version)
         return timings
-
-    # --- processes --------------------------------------------------------------------------------------
-
-    def _broadcast(self, value: Any) -> Any:
-        """Rank 0's value on every rank (rank 0 feeds the others their rows)."""
-        if self.args.world_size == 1:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
 
 # --- helpers ----------------------------------------------------------------------------------------------

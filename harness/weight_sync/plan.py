@@ -147,6 +147,7 @@ def build_weight_sync(
     if plan.kind == "broadcast":
         transfer = BroadcastTransfer(device=device)
         if is_main:
+            assert server is not None  # rank 0 has the client
             transfer.connect(server, base_url)
         return MergedWeightSync(transfer, server, is_main=is_main, world_size=world_size)
     raise ValueError(f"unknown weight sync kind {plan.kind!r}")

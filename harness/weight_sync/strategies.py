@@ -172,6 +172,7 @@ class AdapterWeightSync(WeightSync):
         for directory in self.to_delete:  # fell out of the window one sync ago
             shutil.rmtree(directory, ignore_errors=True)
         self.to_delete = []
+        assert self.adapter_prefix is not None  # set in __init__
         name = adapter_name(self.adapter_prefix, version)
         directory = self.root / name
         self.root.mkdir(parents=True, exist_ok=True)

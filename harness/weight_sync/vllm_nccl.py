@@ -35,16 +35,7 @@ NCCL has no timeout: run `send` on a background thread while the HTTP /update_we
 one) runs on the caller's thread, as `harness.weight_sync.transports.BroadcastTransfer` does (posting
 `update_info(manifest)`, not a body of its own: vLLM rejects keys it does not know).
 
-What was run, and what was not: only CPU code, on a CPU-only machine without vLLM (torch 2.13 CPU):
-tests/test_vllm_nccl.py checks the packing (bucket boundaries equal to `plan_buckets` and to a
-transcription of vLLM's consumer rule; bytes unpacked bit-exactly by a transcription of vLLM's
-`unpack_tensor`), the layout check, the double-buffer loop (with recording stand-in streams and
-communicator), the HTTP bodies, the rank arithmetic, the lazy import error, and the connect choreography
-(fake vLLM classes and a fake server: concurrency, HTTP failure, rendezvous failure, timeout). Not run:
-anything on a CUDA device (the `torch.cuda.Stream` / `wait_stream` / `record_stream` path), real NCCL,
-vLLM's real StatelessProcessGroup and PyNcclCommunicator, and a real `vllm serve`. The file's three
-`gpu` tests would: CUDA streams with a copying communicator (1 GPU), the sender against a transcribed
-vLLM receiver over real NCCL through torch.distributed (2 GPUs), and the full sync against `vllm serve`.
+What of this has run against a real vLLM, and how it is tested: docs/vllm.md.
 """
 
 from __future__ import annotations

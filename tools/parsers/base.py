@@ -207,7 +207,7 @@ class ToolCallParser(ABC):
         runs to the end of a reply cut by the token limit.
         """
         opening, closing = tags
-        scan = _Scan()
+        scan = Scan()
         pos = 0
         while (start := text.find(opening, pos)) >= 0:
             scan.content.append(text[pos:start])
@@ -337,7 +337,7 @@ def _allows_null(schema: Mapping[str, Any]) -> bool:
 
 
 @dataclass
-class _Scan:
+class Scan:
     """Accumulates a parser's output while it walks a reply."""
 
     content: list[str] = field(default_factory=list)

@@ -66,7 +66,9 @@ class LlamaParser(ToolCallParser):
             if not isinstance(outcome, ToolCall):
                 return body[pos:], calls, [outcome]
             calls.append(outcome)
-            pos = _SEPARATOR.match(body, end).end()
+            separator = _SEPARATOR.match(body, end)
+            assert separator is not None  # the pattern also matches nothing
+            pos = separator.end()
         # Text after the calls is content; so is the rest of a reply from the first call that went wrong.
         return body[pos:], calls, []
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 
 from tools.calls import ToolCall
-from tools.parsers.base import ParseError, ParseErrorKind, ToolCallParser, _Scan
+from tools.parsers.base import ParseError, ParseErrorKind, Scan, ToolCallParser
 from tools.parsers.json_calls import call_from_object
 from tools.schema import Tool
 
@@ -32,7 +32,7 @@ class MistralParser(ToolCallParser):
     def _parse_calls(
         self, text: str, tools: Mapping[str, Tool], truncated: bool
     ) -> tuple[str, list[ToolCall], list[ParseError]]:
-        scan = _Scan()
+        scan = Scan()
         first = text.find(TOOL_CALLS)
         if first < 0:
             return text, [], []
@@ -56,7 +56,7 @@ class MistralParser(ToolCallParser):
                 scan.content.append(text[start:pos])
         return scan.result()
 
-    def _read_list(self, text: str, pos: int, scan: _Scan, truncated: bool) -> tuple[int, ParseError | None]:
+    def _read_list(self, text: str, pos: int, scan: Scan, truncated: bool) -> tuple[int, ParseError | None]:
         """`[{"name": ..., "arguments": {...}, "id": ...}, ...]`; returns where it ends."""
         start = len(text) - len(text[pos:].lstrip())
         try:
@@ -82,7 +82,7 @@ class MistralParser(ToolCallParser):
         scan.calls.extend(calls)
         return end, None
 
-    def _read_named(self, text: str, pos: int, scan: _Scan, truncated: bool) -> tuple[int, ParseError | None]:
+    def _read_named(self, text: str, pos: int, scan: Scan, truncated: bool) -> tuple[int, ParseError | None]:
         """`NAME[CALL_ID]ID[ARGS]{...}` or `NAME[ARGS]{...}`; returns where it ends."""
         limit = _next_call(text, pos)
         args_at = text.find(ARGS, pos, limit)

@@ -212,8 +212,9 @@ def check_agreement(original: RenderText, training: RenderText) -> list[str]:
                 render(probe[:end], PROBE_TOOLS, True),
             )
             followers.append(later[len(replied) :] if later.startswith(replied) else None)
-        if None not in followers and followers[0] != followers[1]:
-            differences.append(f"the messages after message {k}: {_diff(*followers)}")
+        first, second = followers
+        if first is not None and second is not None and first != second:
+            differences.append(f"the messages after message {k}: {_diff(first, second)}")
     return differences
 
 

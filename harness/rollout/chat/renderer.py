@@ -39,6 +39,7 @@ the samples where the history changed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -105,7 +106,8 @@ class RenderStats:
 
     def reset(self) -> None:
         """Start a new window."""
-        self.__init__()
+        for stat in dataclasses.fields(self):
+            setattr(self, stat.name, stat.default)
 
 
 class ChatRenderer:
