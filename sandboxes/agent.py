@@ -31,9 +31,15 @@ descendants and every process carrying its marker variable (set in each command'
 detached processes keep it) are killed. Only a process that clears its environment and detaches escapes
 that; closing the sandbox ends it too.
 
-Code running in the sandbox runs as the same user as this executor (so starting a command stays on the
-cheap vfork path): it can kill the executor, which the host then sees as a dead sandbox. The executor marks
-itself non-dumpable, so that code cannot open its pipes through /proc or attach a debugger to it.
+The request stream is the one channel the sandbox's code must never reach: a forged answer would be a
+forged result (an exit code, a test verdict). So the executor runs as the sandbox's pid 1 (the container's
+main process, or bwrap --as-pid-1): the kernel ignores signals sent to a pid namespace's init from inside
+it, so commands cannot kill or stop it, and no other process in the sandbox holds the stream. It marks
+itself non-dumpable, so commands cannot open its pipes through /proc/1/fd, read its memory or attach a
+debugger. Where the backend can give it one (Docker: `command_user`), commands run as another uid, with
+no capabilities, and file operations act with that uid's rights (a per-thread fsuid), so nothing the
+executor may do as root is reachable through them. As pid 1 it also reaps the orphans commands leave.
+Frames are capped at MAX_MESSAGE_BYTES both ways.
 """
 
 import base64
@@ -44,8 +50,10 @@ import json
 import os
 import queue
 import resource
+import secrets
 import selectors
 import signal
+import stat as stat_module
 import struct
 import subprocess
 import sys
@@ -54,9 +62,12 @@ import threading
 import time
 
 HEADER = struct.Struct(">I")
-MAX_MESSAGE_BYTES = 1 << 30
-EXIT_GRACE_S = 0.2
-MARKER_VARIABLE = "HARNESS_EXEC"  # how long output may keep arriving after the command itself exited
+MAX_MESSAGE_BYTES = 192 << 20  # the host's cap too (sandboxes/channel.py)
+MAX_FILE_BYTES = 128 << 20  # the most read_file / get_archive may return (base64 fits a frame)
+MAX_OUTPUT_BYTES = 32 << 20  # the most output kept per stream of one command
+EXIT_GRACE_S = 0.2  # how long output may keep arriving after the command itself exited
+MARKER_VARIABLE = "HARNESS_EXEC"
+REAP_INTERVAL_S = 0.5
 READ_CHUNK = 1 << 16
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -73,17 +84,26 @@ _jobs: "queue.SimpleQueue[dict]" = queue.SimpleQueue()
 _workers_lock = threading.Lock()
 _idle_workers = 0
 _workdir = "/"
+_command_user = None  # (uid, gid) commands and file operations run as; None: this process's own
+_libc = None
 
 
 def main(argv):
-    global _workdir
+    global _workdir, _command_user
     config = json.loads(argv[1]) if len(argv) > 1 else {}
     _workdir = config.get("workdir") or os.getcwd()
     BASE_ENV["HOME"] = _workdir
     BASE_ENV.update(config.get("env") or {})
+    if config.get("command_user"):
+        _command_user = tuple(int(part) for part in config["command_user"])
     _apply_rlimits(config.get("rlimits") or {})
     _make_undumpable()
+    # No handler for any signal: as a pid namespace's init that makes the executor immune to signals
+    # sent from inside (Python installs one for SIGINT).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if os.getpid() == 1:
+        threading.Thread(target=_reap_orphans, daemon=True).start()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         header = _read_exactly(stdin, HEADER.size)
@@ -174,41 +194,48 @@ def op_exec(request):
     env.update(request.get("env") or {})
     # Every process of this command inherits the marker, even one that leaves its process group and its
     # parent (setsid, a double fork), so a timeout can still find it.
-    marker = f"{os.getpid()}-{request.get('id') or 0}"
+    marker = secrets.token_hex(8)
     env[MARKER_VARIABLE] = marker
     stdin_data = _b64decode(request.get("stdin"))
     timeout_s = request.get("timeout_s")
-    cap = int(request.get("max_output_bytes") or (1 << 20))
+    cap = min(int(request.get("max_output_bytes") or (1 << 20)), MAX_OUTPUT_BYTES)
     cwd = _resolve(request["cwd"]) if request.get("cwd") else _workdir
-    if not os.path.isdir(cwd):
-        raise NotADirectoryError(f"working directory {request['cwd']} does not exist")
+    with _as_command_user():
+        if not os.path.isdir(cwd):
+            raise NotADirectoryError(f"working directory {request['cwd']} does not exist")
     started = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,  # its own process group, so a timeout can kill the whole tree
-        )
-    except FileNotFoundError as exc:
-        return _exec_result(127, b"", (f"{argv[0]}: command not found ({exc.strerror})").encode(), started)
-    except PermissionError as exc:
-        return _exec_result(126, b"", (f"{argv[0]}: permission denied ({exc.strerror})").encode(), started)
-    except OSError as exc:  # EAGAIN when the sandbox's process limit is reached, ENOMEM, ...
-        return _exec_result(126, b"", (f"{argv[0]}: could not start: {exc}").encode(), started)
+    user = {}
+    if _command_user is not None:
+        user = {"user": _command_user[0], "group": _command_user[1], "extra_groups": []}
+    # Started and registered under the lock the orphan reaper takes, so it never reaps a command of ours
+    # (Popen would then report exit status 0 for a command that failed).
     with _children_lock:
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,  # its own process group, so a timeout can kill the whole tree
+                **user,
+            )
+        except FileNotFoundError as exc:
+            message = f"{argv[0]}: command not found ({exc.strerror})"
+            return _exec_result(127, b"", message.encode(), started)
+        except PermissionError as exc:
+            message = f"{argv[0]}: permission denied ({exc.strerror})"
+            return _exec_result(126, b"", message.encode(), started)
+        except OSError as exc:  # EAGAIN when the sandbox's process limit is reached, ENOMEM, ...
+            return _exec_result(126, b"", (f"{argv[0]}: could not start: {exc}").encode(), started)
         _children.add(proc.pid)
     try:
         if request.get("cpu_s"):
             cpu = int(request["cpu_s"])
             resource.prlimit(proc.pid, resource.RLIMIT_CPU, (cpu, cpu + 1))
-        if stdin_data is not None:
-            threading.Thread(target=_feed, args=(proc.stdin, stdin_data), daemon=True).start()
         deadline = started + timeout_s if timeout_s else None
-        outputs, timed_out = _collect(proc, deadline, cap)
+        outputs, timed_out = _collect(proc, deadline, cap, stdin_data)
         if not timed_out:
             try:
                 proc.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
@@ -240,17 +267,10 @@ def _exec_result(exit_code, out, err, started):
     }
 
 
-def _feed(pipe, data):
-    try:
-        pipe.write(data)
-        pipe.close()
-    except (BrokenPipeError, OSError):
-        pass
-
-
-def _collect(proc, deadline, cap):
-    """Read stdout and stderr until both close (or the command exits and EXIT_GRACE_S passes), keeping the
-    first `cap` bytes of each and discarding the rest, so huge output costs time but not memory."""
+def _collect(proc, deadline, cap, stdin_data=None):
+    """Feed stdin and read stdout and stderr until both close (or the command exits and EXIT_GRACE_S
+    passes), keeping the first `cap` bytes of each and discarding the rest, so huge output costs time but
+    not memory. All on this thread: a sandbox whose process limit is reached still gets its answer."""
     buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     dropped = dict.fromkeys(buffers, 0)
     order = list(buffers)
@@ -258,6 +278,12 @@ def _collect(proc, deadline, cap):
     for fd in buffers:
         os.set_blocking(fd, False)
         selector.register(fd, selectors.EVENT_READ)
+    pending = memoryview(stdin_data) if stdin_data else None
+    if stdin_data is not None and not stdin_data:
+        proc.stdin.close()
+    elif pending is not None:
+        os.set_blocking(proc.stdin.fileno(), False)
+        selector.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
     exited_at = None
     timed_out = False
     try:
@@ -274,6 +300,19 @@ def _collect(proc, deadline, cap):
             if deadline is not None:
                 wait = min(wait, deadline - now)
             for key, _ in selector.select(max(wait, 0)):
+                if pending is not None and key.fd == proc.stdin.fileno():
+                    try:
+                        pending = pending[os.write(key.fd, pending[:READ_CHUNK]) :]
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # the command closed its stdin: the rest is dropped
+                        pending = pending[:0]
+                    if not pending:
+                        selector.unregister(key.fd)
+                        with contextlib.suppress(OSError):
+                            proc.stdin.close()
+                        pending = None
+                    continue
                 try:
                     chunk = os.read(key.fd, READ_CHUNK)
                 except BlockingIOError:
@@ -290,20 +329,64 @@ def _collect(proc, deadline, cap):
         selector.close()
         proc.stdout.close()
         proc.stderr.close()
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
     return [(buffers[fd], dropped[fd]) for fd in order], timed_out
 
 
 def _kill_tree(pid, marker=None):
-    """SIGKILL a command's process group, every descendant that left it, and every process carrying its
-    marker (one that detached from its parent too); a few rounds, for processes forked meanwhile."""
-    for _ in range(3):
-        victims = _descendants(pid) | (_marked(marker) if marker else set())
-        _kill_group(pid)
+    """Kill a command's process group, every descendant that left it, and every process carrying its
+    marker (one that detached from its parent too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGSTOP)
+    _freeze_then_kill(lambda: _descendants(pid) | (_marked(marker) if marker else set()) | {pid})
+    _kill_group(pid)
+
+
+def _freeze_then_kill(find):
+    """SIGSTOP what `find()` returns until a sweep finds nothing new (a stopped process cannot fork, so a
+    fork bomb runs out of new children), then SIGKILL it all."""
+    stopped = set()
+    for _ in range(50):
+        victims = find() - stopped
+        if not victims:
+            break
         for victim in victims:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(victim, signal.SIGKILL)
-        if not victims:
-            return
+                os.kill(victim, signal.SIGSTOP)
+        stopped |= victims
+    victims = stopped | find()
+    for victim in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGKILL)
+    _await_gone(victims)
+    return len(stopped)
+
+
+def _await_gone(pids, wait_s=2.0):
+    """Wait (briefly) until killed processes are gone; as pid 1, reap those re-parented to us, so the
+    sandbox holds no zombies of them once the answer is sent."""
+    deadline = time.monotonic() + wait_s
+    remaining = set(pids)
+    me = os.getpid()
+    while remaining and time.monotonic() < deadline:
+        for pid in list(remaining):
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                remaining.discard(pid)  # gone
+                continue
+            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
+                continue  # not dead yet
+            if pid in _children:
+                remaining.discard(pid)  # our command: its Popen reaps it
+            elif _parent(stat) == me and me == 1:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+        if remaining:
+            time.sleep(0.005)
 
 
 def _kill_group(pid):
@@ -329,11 +412,9 @@ def _parent(stat):
 
 def _marked(marker):
     needle = (f"{MARKER_VARIABLE}={marker}\0").encode()
-    return {
-        pid
-        for pid, environ in _proc_files("environ")
-        if environ.startswith(needle) or b"\0" + needle in environ
-    }
+    with _as_command_user():  # the commands' environments are readable by their own uid
+        environs = list(_proc_files("environ"))
+    return {pid for pid, environ in environs if environ.startswith(needle) or b"\0" + needle in environ}
 
 
 def _descendants(root):
@@ -352,13 +433,11 @@ def op_kill_all(request):
     while pid in parents and pid not in keep:
         keep.add(pid)
         pid = parents[pid]
-    killed = 0
-    for pid in parents:
-        if pid not in keep:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-    return {"killed": killed}
+
+    def others():
+        return {pid for pid, _ in _proc_files("stat")} - keep
+
+    return {"killed": _freeze_then_kill(others)}
 
 
 def _kill_all_children():
@@ -373,47 +452,75 @@ def _kill_all_children():
 
 def op_read_file(request):
     path = _resolve(request["path"])
-    max_bytes = int(request.get("max_bytes") or (64 << 20))
-    size = os.path.getsize(path)
-    if size > max_bytes:
-        raise OverflowError(f"{request['path']} is {size} bytes; the limit is {max_bytes}")
-    with open(path, "rb") as f:
+    max_bytes = min(int(request.get("max_bytes") or (64 << 20)), MAX_FILE_BYTES)
+    with _as_command_user(), _open_regular(path, request["path"], os.O_RDONLY) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise OverflowError(f"{request['path']} is {size} bytes; the limit is {max_bytes}")
         return {"data": base64.b64encode(f.read(max_bytes)).decode()}
 
 
 def op_write_file(request):
     path = _resolve(request["path"])
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(_b64decode(request.get("data")) or b"")
-    if request.get("mode") is not None:
-        os.chmod(path, int(request["mode"]))
+    with _as_command_user():
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with _open_regular(path, request["path"], flags) as f:
+            f.write(_b64decode(request.get("data")) or b"")
+            if request.get("mode") is not None:
+                os.fchmod(f.fileno(), int(request["mode"]))
     return {}
+
+
+def _open_regular(path, shown, flags):
+    """The file at `path`, opened without blocking and refused unless it is a regular file: a FIFO, a
+    device or a socket the sandbox's code made must not hold an executor thread (or read /dev/zero)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == 6:  # ENXIO: a FIFO no process reads
+            raise OSError(f"{shown} is not a regular file (a FIFO, socket or device)") from None
+        raise
+    try:
+        if not stat_module.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{shown} is not a regular file (a FIFO, socket or device)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb" if flags == os.O_RDONLY else "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def op_put_archive(request):
     target = _resolve(request["path"])
-    os.makedirs(target, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(_b64decode(request["data"])), mode="r:*") as archive:
-        members = [m for m in archive.getmembers() if _safe_member(m, target)]
-        archive.extractall(target, members=members)
+    with _as_command_user():
+        os.makedirs(target, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(_b64decode(request["data"])), mode="r:*") as archive:
+            members = [m for m in archive.getmembers() if _safe_member(m, target)]
+            archive.extractall(target, members=members)
     return {}
 
 
 def op_get_archive(request):
     source = _resolve(request["path"])
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"{request['path']} does not exist")
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-        archive.add(source, arcname=".")
+    max_bytes = min(int(request.get("max_bytes") or (64 << 20)), MAX_FILE_BYTES)
+    with _as_command_user():
+        if not os.path.exists(source):
+            raise FileNotFoundError(f"{request['path']} does not exist")
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            archive.add(source, arcname=".", filter=_regular_entries)
     data = buffer.getvalue()
-    max_bytes = int(request.get("max_bytes") or (256 << 20))
     if len(data) > max_bytes:
         raise OverflowError(f"archive of {request['path']} is {len(data)} bytes; the limit is {max_bytes}")
     return {"data": base64.b64encode(data).decode()}
+
+
+def _regular_entries(member):
+    """Regular files and directories only: a FIFO or device in the tree is left out, never opened."""
+    return member if member.isfile() or member.isdir() else None
 
 
 def _safe_member(member, target):
@@ -432,6 +539,44 @@ def _b64decode(text):
     return None if text is None else base64.b64decode(text)
 
 
+@contextlib.contextmanager
+def _as_command_user():
+    """File access with the command user's rights, on this thread only (Linux's fsuid and fsgid are
+    per thread), so a path the sandbox's code chose cannot reach what the executor's own uid may."""
+    if _command_user is None:
+        yield
+        return
+    libc = _get_libc()
+    uid, gid = _command_user
+    libc.setfsgid(gid)
+    libc.setfsuid(uid)
+    try:
+        yield
+    finally:
+        libc.setfsuid(os.getuid())
+        libc.setfsgid(os.getgid())
+
+
+def _get_libc():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def _reap_orphans():
+    """As pid 1, reap the zombies of processes commands left behind (they are re-parented to us), never a
+    command of ours: Popen reaps those itself."""
+    while True:
+        time.sleep(REAP_INTERVAL_S)
+        with _children_lock:
+            for pid, stat in _proc_files("stat"):
+                state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+                if state == b"Z" and _parent(stat) == 1 and pid not in _children:
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+
+
 # --- process setup ------------------------------------------------------------------------------------
 
 
@@ -444,8 +589,9 @@ def _apply_rlimits(limits):
 
 def _make_undumpable():
     """PR_SET_DUMPABLE 0: same-user processes can no longer ptrace this one or open its /proc files."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+    libc = _get_libc()
+    if libc.prctl(4, 0, 0, 0, 0) != 0 or libc.prctl(3, 0, 0, 0, 0) != 0:
+        raise SystemExit("the executor could not make itself non-dumpable (prctl PR_SET_DUMPABLE)")
 
 
 OPERATIONS = {

@@ -37,9 +37,11 @@ from typing import Any, Literal
 from sandboxes import errors
 from sandboxes.channel import AgentChannel
 from sandboxes.image import DEFAULT_IMAGE
+from sandboxes.owner import owner_tag
 
 AGENT_SOURCE = (Path(__file__).parent / "agent.py").read_text(encoding="utf-8")
 BackendName = Literal["auto", "docker", "local", "unsafe-subprocess"]
+MAX_FILE_BYTES = 128 << 20  # the most one read_file or download moves (the executor's own cap)
 # Slack on top of a command's own timeout before the host gives up on the executor's answer.
 _ANSWER_SLACK_S = 15.0
 # A process-wide id for this run: every sandbox it starts carries it (Docker labels, local directories).
@@ -85,8 +87,8 @@ class Limits:
             problems.append("file_size_mb and disk_mb must be at least 1")
         if self.cpu_time_s is not None and self.cpu_time_s < 1:
             problems.append(f"cpu_time_s must be at least 1 or None, got {self.cpu_time_s}")
-        if self.output_bytes < 1024:
-            problems.append(f"output_bytes must be at least 1024, got {self.output_bytes}")
+        if not 1024 <= self.output_bytes <= 32 << 20:
+            problems.append(f"output_bytes must be between 1024 and 32 MiB, got {self.output_bytes}")
         if problems:
             raise errors.InvalidSandboxConfig("impossible sandbox limits: " + "; ".join(problems))
 
@@ -120,6 +122,11 @@ class SandboxSpec:
             raise errors.InvalidSandboxConfig(
                 f"unknown sandbox backend {self.backend!r}; choose 'auto', 'docker', 'local' or "
                 "'unsafe-subprocess'"
+            )
+        if not self.exec_timeout_s > 0 or not self.start_timeout_s > 0:
+            raise errors.InvalidSandboxConfig(
+                f"exec_timeout_s and start_timeout_s must be positive, got {self.exec_timeout_s} and "
+                f"{self.start_timeout_s}"
             )
         if not self.workdir.startswith("/"):
             raise errors.InvalidSandboxConfig(f"workdir must be an absolute path, got {self.workdir!r}")
@@ -234,6 +241,11 @@ class Sandbox(ABC):
         if not argv:
             raise ValueError("exec needs a command")
         timeout_s = self.spec.exec_timeout_s if timeout_s is None else timeout_s
+        if not timeout_s > 0:  # 0 would mean no limit inside the sandbox but a 15 s wait out here
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds, got {timeout_s!r}; leave it None for the "
+                "spec's exec_timeout_s"
+            )
         answer = await self._request(
             "exec",
             wait_s=timeout_s + _ANSWER_SLACK_S,
@@ -256,7 +268,9 @@ class Sandbox(ABC):
         )
 
     async def read_file(self, path: str, *, max_bytes: int = 64 << 20) -> bytes:
-        """The bytes of a file (relative paths start at the working directory)."""
+        """The bytes of a regular file (relative paths start at the working directory); a FIFO, device or
+        socket is refused (SandboxFileError), as is a file over `max_bytes` (at most 128 MiB)."""
+        _check_max_bytes(max_bytes)
         answer = await self._request("read_file", wait_s=60.0, path=path, max_bytes=max_bytes)
         return base64.b64decode(answer["data"])
 
@@ -275,10 +289,11 @@ class Sandbox(ABC):
         await self._request("put_archive", wait_s=300.0, path=remote_dir, data=_b64(buffer.getvalue()))
 
     async def download(
-        self, remote_dir: str, local_dir: str | os.PathLike[str], *, max_bytes: int = 256 << 20
+        self, remote_dir: str, local_dir: str | os.PathLike[str], *, max_bytes: int = 64 << 20
     ) -> None:
-        """Copy a directory out of the sandbox. Its contents are untrusted: links, devices and paths that
-        would land outside `local_dir` are skipped."""
+        """Copy a directory out of the sandbox (its archive at most `max_bytes`, 128 MiB at most). Its
+        contents are untrusted: links, devices and paths that would land outside `local_dir` are skipped."""
+        _check_max_bytes(max_bytes)
         answer = await self._request("get_archive", wait_s=300.0, path=remote_dir, max_bytes=max_bytes)
         target = Path(local_dir)
         target.mkdir(parents=True, exist_ok=True)
@@ -309,9 +324,25 @@ class Sandbox(ABC):
 
     # --- helpers for backends -------------------------------------------------------------------------
 
-    def agent_command(self, python: str, workdir: str, rlimits: Mapping[str, int] | None = None) -> list[str]:
-        """The argv that starts the executor with this sandbox's settings."""
-        config = {"workdir": workdir, "env": dict(self.spec.env), "rlimits": dict(rlimits or {})}
+    def agent_command(
+        self,
+        python: str,
+        workdir: str,
+        rlimits: Mapping[str, int] | None = None,
+        *,
+        command_user: tuple[int, int] | None = None,
+    ) -> list[str]:
+        """The argv that starts the executor with this sandbox's settings. `command_user`: the (uid, gid)
+        commands run as, when the executor may switch to it (it then runs as root with a few capabilities).
+        The owner tag in the config is how the reaper recognises an executor whose owner died."""
+        config = {
+            "workdir": workdir,
+            "env": dict(self.spec.env),
+            "rlimits": dict(rlimits or {}),
+            "command_user": list(command_user) if command_user else None,
+            "owner": owner_tag(),
+            "sandbox": self.name,
+        }
         return [python, "-I", "-S", "-u", "-c", AGENT_SOURCE, _json(config)]
 
     async def _request(self, op: str, *, wait_s: float, **fields: Any) -> dict[str, Any]:
@@ -341,6 +372,11 @@ def _close_all_now() -> None:
 
 
 atexit.register(_close_all_now)
+
+
+def _check_max_bytes(max_bytes: int) -> None:
+    if not 0 < max_bytes <= MAX_FILE_BYTES:
+        raise ValueError(f"max_bytes must be between 1 and {MAX_FILE_BYTES} (128 MiB), got {max_bytes}")
 
 
 def _b64(data: bytes | str | None) -> str | None:

@@ -24,7 +24,9 @@ import anyio
 from sandboxes import errors
 
 HEADER = struct.Struct(">I")
-MAX_MESSAGE_BYTES = 1 << 30
+# The largest answer the executor may send (base64 of a 128 MiB file, or of two 32 MiB output streams);
+# a frame announcing more means a corrupt or hostile stream, and ends the sandbox.
+MAX_MESSAGE_BYTES = 192 << 20
 
 # The executor reports failures by exception class name; these become typed errors on the host.
 _FILE_ERRORS = {

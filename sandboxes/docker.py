@@ -7,14 +7,20 @@ calls run on worker threads (at most `MAX_ENGINE_CALLS` at once); the request st
 written on the event loop. One slow daemon call never freezes the other rollouts.
 
 What it protects against:
+- the request stream (forged answers): the executor is the container's pid 1 (no docker-init), running as
+  root with only the capabilities it needs to start commands as uid 1000 and to kill them (SETUID,
+  SETGID, KILL). Commands run as uid 1000 with no capabilities at all: they cannot
+  signal the executor, open /proc/1/fd or /proc/1/mem, or trace it (it is also non-dumpable), and the
+  executor's file operations act with uid 1000's rights. As pid 1 it reaps orphans.
 - the network: `network_mode="none"` by default (loopback only, no DNS).
 - the host's files and the engine: no host mounts, no Docker socket inside; the root filesystem is
-  read-only, the working directory and /tmp are size-capped tmpfs mounts.
-- privilege: commands run as uid 1000 with every capability dropped and no-new-privileges set.
+  read-only, the working directory, /tmp and /dev/shm are size-capped tmpfs mounts whose sizes together
+  stay a quarter (at least 64 MB) under `memory_mb`, so filling them is "no space left on device", never
+  an out-of-memory kill.
+- privilege: no-new-privileges; commands have no capabilities.
 - resources: memory (swap included), pids and CPU are cgroup limits on the whole container; file size
   and open files are rlimits. A fork bomb hits the pids limit; a memory hog is OOM-killed inside.
-- runaway commands: a timeout kills the command's whole process tree; a tiny init (docker-init) reaps
-  orphans.
+- runaway commands: a timeout kills the command's whole process tree.
 - secrets: nothing of the host environment enters the container.
 - leaks: every container carries labels naming its run, owner host, owner pid (with the pid's start time)
   and creation time; close() removes it, an exit hook removes what is left open at interpreter exit,
@@ -24,7 +30,6 @@ What it protects against:
 What it does not protect against:
 - kernel exploits: containers share the host kernel (use a VM-based runtime such as gVisor or Kata
   through the engine for that).
-- a command killing the sandbox's own executor (it runs as the same user): the host sees SandboxDied.
 - disk: the image's layers are read-only, and writes go to tmpfs, which counts toward memory.
 """
 
@@ -51,7 +56,8 @@ from sandboxes.engine import (
 )
 from sandboxes.owner import this_owner
 
-SANDBOX_USER = "1000:1000"
+SANDBOX_UID = SANDBOX_GID = 1000  # the image's `sandbox` user, whom commands run as
+EXECUTOR_CAPABILITIES = ["SETUID", "SETGID", "KILL"]
 _reaped_at_start = False
 
 
@@ -90,30 +96,37 @@ class DockerSandbox(Sandbox):
         }
         rlimits = {"fsize": limits.file_size_mb << 20, "nofile": 1024}
         tmpfs_options = "rw,exec,nosuid,nodev"
+        workdir_mb, tmp_mb, shm_mb = tmpfs_sizes_mb(limits.memory_mb, limits.disk_mb)
+        command = self.agent_command(
+            "python3", spec.workdir, rlimits, command_user=(SANDBOX_UID, SANDBOX_GID)
+        )
         try:
             container = client.containers.create(
                 image=spec.image,
-                command=self.agent_command("python3", spec.workdir, rlimits),
+                command=command,
                 name=f"{LABEL_PREFIX}-{self.name}",
                 hostname="sandbox",
-                user=SANDBOX_USER,
+                user="0:0",  # the executor; its commands run as SANDBOX_UID (see the module docstring)
                 working_dir=spec.workdir,
                 environment={"HOME": spec.workdir, "LANG": "C.UTF-8"},
                 labels=labels,
                 stdin_open=True,
                 tty=False,
-                init=True,
+                init=False,  # the executor is pid 1
                 network_mode="bridge" if limits.network else "none",
                 read_only=True,
                 tmpfs={
-                    spec.workdir: f"{tmpfs_options},size={limits.disk_mb}m,uid=1000,gid=1000,mode=0755",
-                    "/tmp": f"{tmpfs_options},size={limits.disk_mb}m,mode=1777",
+                    spec.workdir: f"{tmpfs_options},size={workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_GID},"
+                    "mode=0755",
+                    "/tmp": f"{tmpfs_options},size={tmp_mb}m,mode=1777",
                 },
+                shm_size=f"{shm_mb}m",
                 mem_limit=f"{limits.memory_mb}m",
                 memswap_limit=f"{limits.memory_mb}m",
                 pids_limit=limits.pids,
                 nano_cpus=int(limits.cpus * 1e9),
                 cap_drop=["ALL"],
+                cap_add=EXECUTOR_CAPABILITIES,
                 security_opt=["no-new-privileges"],
                 log_config=docker.types.LogConfig(type="none"),  # the request stream is not a log
             )
@@ -172,6 +185,18 @@ class DockerSandbox(Sandbox):
     def _destroy_now(self) -> None:
         if self.container_id is not None:
             remove_container(docker_client(), self.container_id)
+
+
+def tmpfs_sizes_mb(memory_mb: int, disk_mb: int) -> tuple[int, int, int]:
+    """Sizes of the working directory, /tmp and /dev/shm tmpfs mounts: their pages count in the container's
+    memory, so together they stay a quarter of `memory_mb` (at least 64 MB) under it and filling them is
+    "no space left on device", not an out-of-memory kill of the executor. The working directory gets up
+    to `disk_mb` of that."""
+    budget = max(memory_mb - max(64, memory_mb // 4), 48)
+    shm = max(min(64, budget // 8), 4)
+    workdir = max(min(disk_mb, (budget - shm) * 3 // 4), 16)
+    tmp = max(budget - shm - workdir, 16)
+    return workdir, tmp, shm
 
 
 class _Demultiplexer:

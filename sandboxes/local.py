@@ -1,28 +1,37 @@
 """The local sandbox backend: bubblewrap namespaces on this machine, no container engine needed.
 
-Each sandbox is one `bwrap` process tree running the resident executor in new user, pid, network, ipc
-and uts namespaces, with a private working directory under `$TMPDIR/agent-harness-sandboxes/`.
+Each sandbox is one `bwrap` process tree running the resident executor as pid 1 of new user, pid,
+network, ipc and uts namespaces, with a directory of its own under `$TMPDIR/agent-harness-sandboxes/`.
 
 What it protects against:
 - reading or writing host files: only the system directories needed to run programs (/usr and its
   links, a few files of /etc) are visible, read-only; the host's /home, /root, /tmp, /work and the
-  project are not there at all. The working directory is the only writable place besides a private /tmp.
+  project are not there at all. The working directory and /tmp are private tmpfs mounts of `disk_mb`
+  and a quarter of it, so a full disk is "no space left on device" inside, never the host's disk.
+- the request stream (forged answers): the executor is the namespace's init, which commands cannot
+  signal; it is non-dumpable, so /proc/1/fd, /proc/1/mem and ptrace are refused; no other process in
+  the sandbox holds the stream. Debuggers and tracers of the host (gdb, strace, ...) are masked.
 - the network: a new network namespace has only a loopback interface; no DNS, nothing outside.
 - the host's processes: a new pid namespace shows only the sandbox's own; they run as uid 1000 of a new
   user namespace, with no capabilities. When this process runs as root, bwrap itself is started as the
   unprivileged `nobody` user, so nothing in the sandbox maps to root on the host.
+- resources: where the harness runs as root with cgroups (v2, or v1's memory/pids/cpu hierarchies), each
+  sandbox gets its own control group (sandboxes/cgroups.py): memory (tmpfs pages included), pids and CPU
+  for the whole sandbox. Always: RLIMIT_AS per process (memory_mb), RLIMIT_NPROC (pids, per user),
+  RLIMIT_FSIZE, RLIMIT_CPU (cpu_time_s) per command; a timeout kills a command's whole process tree.
 - secrets: the host environment is cleared; commands see only PATH, HOME, LANG and what the spec sets.
-- runaway commands: a timeout kills the command's whole process tree; RLIMIT_NPROC caps processes
-  (a fork bomb), RLIMIT_FSIZE caps file size, RLIMIT_CPU (cpu_time_s) caps CPU seconds per command.
 - leaks: closing kills every process in the namespace and deletes the directory; if this process dies
-  (even by SIGKILL) the kernel kills the sandbox (--die-with-parent), and the reaper deletes directories
-  whose owner is gone.
+  (even by SIGKILL) the executor reads end of input and exits, which ends the namespace, the kernel kills
+  the sandbox too (--die-with-parent), and the reaper kills executors and deletes directories and
+  groups whose owner is gone.
 
 What it does not protect against:
-- memory: without cgroups, `memory_mb` is RLIMIT_AS, an address-space limit per process, so a sandbox
-  of many processes can use several times it; CPU share (`cpus`) and disk use (`disk_mb`) are not limited.
+- without root or cgroups, memory, CPU share and process count are per-process limits only (a sandbox of
+  many processes can use several times `memory_mb`; `cpus` is not enforced); the first sandbox of a
+  process logs which limits it cannot enforce.
 - kernel exploits: namespaces share the host kernel (Docker does too; use a VM-based runtime for that).
-- a command killing the sandbox's own executor (same user): the host then sees SandboxDied.
+- commands share the executor's uid (an unprivileged user namespace maps one uid); the init and
+  non-dumpable protections above are what keeps them off its stream (Docker adds a separate uid).
 Use the Docker backend where those matter.
 """
 
@@ -30,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import os
 import shutil
 import signal
@@ -41,14 +52,19 @@ from typing import Any
 
 from sandboxes import errors
 from sandboxes.base import Sandbox, SandboxSpec
+from sandboxes.cgroups import SandboxCgroup, cgroup_problem
 from sandboxes.channel import AgentChannel
 from sandboxes.owner import owner_tag
+
+log = logging.getLogger(__name__)
 
 SANDBOX_UID = 1000
 NOBODY = 65534
 # System paths the sandbox needs to run programs, bound read-only when present (as links where they are).
 _SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_PATHS = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d")
+# Host tools a sandbox has no use for that would help it attack its own executor; masked by /dev/null.
+_MASKED_TOOLS = ("gdb", "gdbserver", "gdb-multiarch", "strace", "ltrace", "perf", "valgrind", "cuda-gdb")
 
 
 def sandbox_root() -> Path:
@@ -66,6 +82,7 @@ class ProcessSandbox(Sandbox):
         super().__init__(spec, name=name)
         self._process: asyncio.subprocess.Process | None = None
         self._dir: Path | None = None
+        self._cgroup: SandboxCgroup | None = None
         self._stderr_tail: deque[str] = deque(maxlen=20)
         self._stderr_task: asyncio.Task[None] | None = None
 
@@ -119,7 +136,7 @@ class ProcessSandbox(Sandbox):
             try:
                 await asyncio.wait_for(process.wait(), timeout=2.0)
             except TimeoutError:
-                _kill_group(process.pid)
+                _kill_tree(process.pid)
                 await process.wait()
         if self._stderr_task is not None:
             self._stderr_task.cancel()
@@ -127,12 +144,16 @@ class ProcessSandbox(Sandbox):
                 await self._stderr_task
         if self._dir is not None:
             await asyncio.to_thread(remove_tree, self._dir)
+        if self._cgroup is not None:
+            self._cgroup.remove()
 
     def _destroy_now(self) -> None:
         if self._process is not None and self._process.returncode is None:
-            _kill_group(self._process.pid)
+            _kill_tree(self._process.pid)
         if self._dir is not None:
             remove_tree(self._dir)
+        if self._cgroup is not None:
+            self._cgroup.remove()
 
 
 class LocalSandbox(ProcessSandbox):
@@ -146,15 +167,13 @@ class LocalSandbox(ProcessSandbox):
                 "(or use backend='docker')"
             )
         directory = self._make_dir()
-        workspace = directory / "workspace"
-        workspace.mkdir()
         etc = self._write_identity_files(directory)
         run_as_nobody = os.geteuid() == 0
         if run_as_nobody:
-            for path in (directory, workspace):
-                os.chown(path, NOBODY, NOBODY)
-        argv = [bwrap, *self._bwrap_arguments(workspace, etc)]
+            os.chown(directory, NOBODY, NOBODY)
+        argv = [bwrap, *self._bwrap_arguments(etc)]
         argv += self.agent_command(_sandbox_python(), self.spec.workdir, _rlimits(self.spec))
+        _say_what_is_not_enforced()
         return await self._spawn(
             argv,
             # bwrap's own processes (pid 1 of the namespace among them) are readable from inside:
@@ -165,10 +184,22 @@ class LocalSandbox(ProcessSandbox):
             extra_groups=[] if run_as_nobody else None,
         )
 
-    def _bwrap_arguments(self, workspace: Path, etc: Path) -> list[str]:
+    async def start(self) -> LocalSandbox:
+        await super().start()
+        if self._process is not None and self._cgroup is None:
+            # once the executor answers: it and bwrap exist, and no command has started yet
+            assert self._dir is not None
+            self._cgroup = await asyncio.to_thread(SandboxCgroup.create, self._dir.name, self.spec.limits)
+            if self._cgroup is not None:
+                for pid in [self._process.pid, *_descendants(self._process.pid)]:
+                    with contextlib.suppress(OSError):
+                        self._cgroup.add(pid)
+        return self
+
+    def _bwrap_arguments(self, etc: Path) -> list[str]:
         spec = self.spec
         args = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
-        args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+        args += ["--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
         if not spec.limits.network:
             args.append("--unshare-net")
         args += ["--hostname", "sandbox", "--die-with-parent", "--new-session", "--clearenv"]
@@ -191,8 +222,22 @@ class LocalSandbox(ProcessSandbox):
         python_home = _python_home()
         if python_home is not None:
             args += ["--ro-bind", python_home, python_home]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        args += ["--bind", str(workspace), spec.workdir, "--chdir", spec.workdir]
+        for tool in _MASKED_TOOLS:
+            for directory in ("/usr/bin", "/usr/local/bin", "/usr/sbin"):
+                if os.path.exists(f"{directory}/{tool}"):
+                    args += ["--ro-bind", "/dev/null", f"{directory}/{tool}"]
+        disk = spec.limits.disk_mb << 20
+        args += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(max(disk // 4, 16 << 20)),
+            "--tmpfs",
+            "/tmp",
+        ]
+        args += ["--size", str(disk), "--tmpfs", spec.workdir, "--chdir", spec.workdir]
         args += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "MALLOC_ARENA_MAX", "2"]
         return args
 
@@ -212,12 +257,17 @@ class LocalSandbox(ProcessSandbox):
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a sandbox directory, including what sandboxed code made unreadable (chmod 000 and the like)."""
+    """Delete a sandbox directory, including what sandboxed code made unreadable (chmod 000 and the like).
+
+    Never follows a link: only real directories inside the tree are made writable (through a descriptor
+    opened with O_NOFOLLOW), so a symlink the sandbox left cannot point the cleanup at a host file.
+    """
 
     def make_writable_and_retry(function: Any, failed_path: str, _exc_info: Any) -> None:
         with contextlib.suppress(OSError):
-            os.chmod(os.path.dirname(failed_path), 0o700)
-            os.chmod(failed_path, 0o700)
+            _chmod_directory(os.path.dirname(failed_path))
+            if not os.path.islink(failed_path) and os.path.isdir(failed_path):
+                _chmod_directory(failed_path)
             function(failed_path)
 
     shutil.rmtree(path, onerror=make_writable_and_retry)
@@ -225,9 +275,57 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _chmod_directory(path: str) -> None:
+    """chmod 0700 on a directory, refusing a symlink (O_NOFOLLOW) and anything that is not a directory."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process, its group and every descendant (bwrap's namespace init is in a session of its
+    own, so its group alone would leave the sandbox running)."""
+    for victim in [*_descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(victim, signal.SIGKILL)
+    _kill_group(pid)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root`, from /proc (parents first)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_bytes()
+                parents[int(entry)] = int(stat[stat.rfind(b")") + 2 :].split()[1])
+    found: list[int] = []
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
+        found += sorted(frontier)
+    return found
+
+
+@functools.cache
+def _say_what_is_not_enforced() -> None:
+    """Once per process: which limits the local backend cannot enforce here, and why."""
+    problem = cgroup_problem()
+    if problem is not None:
+        log.warning(
+            "local sandboxes get no cgroup here (%s): memory_mb is an address-space limit per process, pids "
+            "a per-user process limit, cpus is not enforced; the working directory and /tmp are size-capped "
+            "tmpfs mounts. Run as root on a machine with cgroups, or use the Docker backend, for "
+            "whole-sandbox limits",
+            problem,
+        )
 
 
 def _rlimits(spec: SandboxSpec) -> dict[str, int]:
