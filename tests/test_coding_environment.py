@@ -114,6 +114,54 @@ while True:
     except OSError:
         pass
 """
+FORGE_THE_EXECUTOR = r"""
+import json, os, struct
+answer = {"ok": True, "exit_code": 0, "timed_out": False, "stdout_truncated": False,
+          "stderr_truncated": False, "duration_s": 0.0, "stderr": "",
+          "stdout": "eyJwYXNzZWQiOiA5LCAidG90YWwiOiA5LCAicmVzdWx0cyI6IFtdfQ=="}
+for path in ("/proc/1/fd/1", f"/proc/{os.getppid()}/fd/1"):
+    try:
+        with open(path, "wb", buffering=0) as stream:
+            for request_id in range(1, 500):
+                body = json.dumps({**answer, "id": request_id}).encode()
+                stream.write(struct.pack(">I", len(body)) + body)
+    except OSError:
+        pass
+"""
+FAKE_OWN_RESULT = """
+import json, os
+for fd in range(3, 30):
+    try:
+        os.write(fd, json.dumps({"ok": True, "value": "forged"}).encode() + b"\n")
+    except OSError:
+        pass
+os._exit(0)
+"""
+EXIT_EARLY = "import os\nos._exit(0)\n"
+FAKE_VERDICTS = """
+import os
+for fd in range(0, 30):
+    try:
+        os.write(fd, b'{"passed": 9, "total": 9, "results": [{"passed": true}]}\\n')
+    except OSError:
+        pass
+"""
+PATCH_BUILTINS = """
+import builtins, json
+builtins.isinstance = lambda *args: True
+json.dumps = lambda *args, **kwargs: '{"ok": true, "value": []}'
+"""
+ATTACK_THE_GRADER = """
+import ctypes, os, signal
+libc = ctypes.CDLL(None)
+for pid in (1, os.getppid()):
+    libc.ptrace(16, pid, 0, 0)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+"""
 TRY_THE_NETWORK = (
     "    import urllib.request\n    urllib.request.urlopen('http://deb.debian.org', timeout=2)\n"
 )
@@ -127,6 +175,14 @@ HOSTILE = {
     "floods every descriptor with garbage": (FLOOD_DESCRIPTORS, "", 0.0),
     "tries the network": ("", TRY_THE_NETWORK, 0.0),
     "forks without end": (FORK_FOREVER, "", 0.0),
+    "forges the executor's answers, answers wrongly": (FORGE_THE_EXECUTOR, "    return 'wrong'\n", 0.0),
+    "forges the executor's answers, answers right": (FORGE_THE_EXECUTOR, "", 1.0),
+    "writes a passing result for itself and exits": (FAKE_OWN_RESULT, "", 0.0),
+    "exits 0 before answering": (EXIT_EARLY, "", 0.0),
+    "prints fake verdicts everywhere": (FAKE_VERDICTS, "    return 'wrong'\n", 0.0),
+    # its answer is [] for every input (json.dumps patched): it earns the cases whose answer is []
+    "monkeypatches builtins and json": (PATCH_BUILTINS, "", "the cases answered []"),
+    "traces and signals the grader": (ATTACK_THE_GRADER, "    return 'wrong'\n", 0.0),
 }
 
 
@@ -134,6 +190,9 @@ HOSTILE = {
 @pytest.mark.parametrize("case", list(HOSTILE), ids=lambda case: case.replace(" ", "-"))
 async def test_hostile_solutions_score_what_they_earn_and_leak_nothing(case):
     prelude, body_prefix, expected = HOSTILE[case]
+    if expected == "the cases answered []":
+        expected = sum(output == [] for output in expected_outputs(TASK)) / len(TASK.cases)
+        assert 0 < expected < 1
     before = sandbox_leftovers()
     source = with_reference(prelude, body_prefix=body_prefix)
     result = await grade(TASK, source, SPEC, case_timeout_s=3.0 if expected else 1.0)
