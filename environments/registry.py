@@ -11,7 +11,10 @@ Three sources, one namespace:
 
 Plugins are imported only when asked for (`load`), so one broken plugin never hides the others: `load`
 of a good name works, `load` of the broken one raises `PluginLoadError` with its traceback, and
-`entries()` lists every name with, for a broken one, its error. The same name from two sources is a
+`entries()` lists every name with, for a broken one, its error. Whatever a plugin raises at import is its
+error, SystemExit included, and an import that does not finish within PLUGIN_IMPORT_TIMEOUT_S (the
+environment variable HARNESS_PLUGIN_IMPORT_TIMEOUT_S overrides it) is one too: it is left on a daemon
+thread, which holds neither the caller nor the process at exit. The same name from two sources is a
 `DuplicateEnvironment` naming both, never a silent override. Every class is validated against the
 environment contract (`environments.base.validate_environment`) when it is loaded.
 """
@@ -20,10 +23,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from types import ModuleType
 from typing import Any
 
 from environments.base import validate_environment
@@ -38,6 +44,7 @@ BUILTIN: dict[str, str] = {
     "python-coding": "environments.coding:CodingEnv",
 }
 
+PLUGIN_IMPORT_TIMEOUT_S = 30.0
 _registered: dict[str, Callable[..., Any]] = {}
 
 
@@ -112,14 +119,45 @@ def _all_entries() -> list[Entry]:
 def _import(entry: Entry) -> Callable[..., Any]:
     module_name, _, attr = entry.target.partition(":")
     try:
-        target: Any = importlib.import_module(module_name)
+        target: Any = _import_module_within(module_name, entry)
         for part in attr.split(".") if attr else []:
             target = getattr(target, part)
-    except Exception as exc:
+    except PluginLoadError:
+        raise
+    except BaseException as exc:  # a plugin's SystemExit or KeyboardInterrupt at import is its failure
+        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            raise  # the user's own Ctrl-C, not the plugin's
+        details = "".join(traceback.format_exception(exc))
         raise PluginLoadError(
             f"environment {entry.name!r} ({entry.source}, {entry.target}) failed to import: "
-            f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            f"{type(exc).__name__}: {exc}\n{details}"
         ) from exc
     if not callable(target):
         raise PluginLoadError(f"environment {entry.name!r} ({entry.target}) is not a class or factory")
     return target
+
+
+def _import_module_within(module_name: str, entry: Entry) -> ModuleType:
+    """importlib.import_module on a daemon thread, given at most the import timeout; what it raised is
+    raised here (anything, SystemExit included)."""
+    timeout_s = float(os.environ.get("HARNESS_PLUGIN_IMPORT_TIMEOUT_S") or PLUGIN_IMPORT_TIMEOUT_S)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["module"] = importlib.import_module(module_name)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"import-{module_name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PluginLoadError(
+            f"environment {entry.name!r} ({entry.source}, {entry.target}) did not finish importing within "
+            f"{timeout_s:g} s (it hangs at import); fix the plugin or uninstall it "
+            "(HARNESS_PLUGIN_IMPORT_TIMEOUT_S sets the limit)"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["module"]

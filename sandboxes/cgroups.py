@@ -37,8 +37,8 @@ def cgroup_problem() -> str | None:
         return "the harness does not run as root"
     if (ROOT / "cgroup.controllers").exists():
         available = set((ROOT / "cgroup.controllers").read_text().split())
-        missing = {"memory", "pids", "cpu"} - available
-        return f"cgroups v2 lacks the {sorted(missing)} controllers" if missing else None
+        lacking = {"memory", "pids", "cpu"} - available
+        return f"cgroups v2 lacks the {sorted(lacking)} controllers" if lacking else None
     missing = [name for name in _V1_CONTROLLERS if not (ROOT / name / "cgroup.procs").exists()]
     return f"no cgroup v2, and no cgroup v1 hierarchy for {missing}" if missing else None
 

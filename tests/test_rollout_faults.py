@@ -332,6 +332,43 @@ async def test_every_tool_metric_the_readme_lists_is_logged_by_a_real_rollout(tm
 SLEEP_COMMAND = "sleep 37.25"  # unusual enough to find among other people's processes
 
 
+class StuckRewardEnv(Environment):
+    """An environment whose sync get_reward does not return (until the test lets it go, 30 s at most)."""
+
+    manifest = Manifest(name="stuck-reward", reward_names=("never",), episode_timeout_s=1.5)
+    release: ClassVar[threading.Event] = threading.Event()
+
+    def reset(self, **row) -> str:
+        return "Say anything."
+
+    def get_reward(self) -> float:
+        StuckRewardEnv.release.wait(30)
+        return 1.0
+
+
+async def test_a_sync_get_reward_that_never_returns_is_bounded_by_the_episode_timeout(tmp_path):
+    """The hook runs on a daemon thread the episode's timeout abandons: its rollouts end typed
+    EpisodeTimeout at episode_timeout_s, and the loop finishes without waiting for the thread."""
+    loop = make_loop(
+        lambda prompt, call: "an answer",
+        loop_cls=RecordingLoop,
+        env=StuckRewardEnv,
+        tmp_path=tmp_path,
+        num_generations=2,
+        max_steps=1,
+    )
+    started = time.monotonic()
+    try:
+        await run_groups(loop, 1)
+        elapsed = time.monotonic() - started
+    finally:
+        StuckRewardEnv.release.set()
+    rollouts = all_rollouts(loop)
+    assert [rollout.error_type for rollout in rollouts] == ["EpisodeTimeout", "EpisodeTimeout"]
+    assert 1.5 <= elapsed < 10, elapsed
+    assert metrics(loop)["rollout/failed/EpisodeTimeout_count"] == 2
+
+
 class SleepyShellEnv(Environment):
     """A shell in a local (bubblewrap) sandbox; remembers every sandbox it was given."""
 

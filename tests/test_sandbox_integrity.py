@@ -130,7 +130,9 @@ async def test_docker_commands_run_as_another_uid_than_the_executor():
 
 async def test_no_debugger_or_tracer_is_usable_in_the_local_sandbox():
     async with create_sandbox(spec("local")) as sandbox:
-        result = await sandbox.exec("for t in gdb strace ltrace; do command -v $t && $t --version; done; true")
+        result = await sandbox.exec(
+            "for t in gdb strace ltrace; do command -v $t && $t --version; done; true"
+        )
         assert "GNU gdb" not in result.stdout and "strace -- version" not in result.stdout
 
 

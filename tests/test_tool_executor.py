@@ -349,3 +349,49 @@ def test_stats_on_known_results():
     assert summary["tools/hung_threads"] == 1
     stats.reset()
     assert stats.summary()["tools/unknown_name_count"] == 0
+
+
+def interrupting_sync(x: int) -> int:
+    """Raise KeyboardInterrupt from the tool's own code.
+
+    Args:
+        x: Ignored.
+    """
+    raise KeyboardInterrupt("the tool's own")
+
+
+async def test_a_keyboard_interrupt_raised_by_a_sync_tool_is_its_error_result():
+    with ToolExecutor() as executor:
+        result = await executor.run_one(ToolCall("interrupting_sync", {"x": 1}), Toolset([interrupting_sync]))
+    assert result.status is ToolStatus.ERROR and "KeyboardInterrupt" in result.content
+
+
+NEVER_RETURNS = """
+import threading, time, anyio
+from tools import ToolCall, ToolExecutor, Toolset
+
+def stuck(x: int) -> int:
+    '''Never return.
+
+    Args:
+        x: Ignored.
+    '''
+    threading.Event().wait()
+
+async def main():
+    with ToolExecutor(timeout_s=0.2) as executor:
+        result = await executor.run_one(ToolCall("stuck", {"x": 1}), Toolset([stuck]))
+    print(result.status.value, executor.hung_threads, flush=True)
+
+anyio.run(main)
+"""
+
+
+def test_a_sync_tool_that_never_returns_does_not_hold_the_process_at_exit():
+    import subprocess
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", NEVER_RETURNS], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["timeout", "1"]
+    assert time.monotonic() - started < 30  # it exited (it used to wait on the stuck thread forever)

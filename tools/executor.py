@@ -16,17 +16,18 @@ them concurrently, results still in call order.
 
 Timeouts. An async tool that runs past its timeout is cancelled. A sync tool cannot be: Python has no way to
 stop a thread. The rollout still gets its timeout result on time, and the thread is abandoned: it keeps its
-pool slot until the function returns, and `hung_threads` counts such threads. Because the pool never grows
-past `max_workers`, hung tools can slow tool calls down but cannot exhaust the process; the timeout covers
-the wait for a free thread too, so a pool full of hung threads shows up as timeouts ("no free worker
-thread"), not as a stalled run. Code that may truly hang belongs in a sandbox process, which can be killed.
+pool slot until the function returns, and `hung_threads` counts such threads. The threads are daemons
+(tools/threads.py), so a tool that never returns does not hold the process open at exit. Because the pool
+never grows past `max_workers`, hung tools can slow tool calls down but cannot exhaust the process; the
+timeout covers the wait for a free thread too, so a pool full of hung threads shows up as timeouts ("no free
+worker thread"), not as a stalled run. Code that may truly hang belongs in a sandbox process, which can be
+killed. Whatever a sync tool raises (KeyboardInterrupt and SystemExit included) is its error result.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import difflib
 import json
 import threading
@@ -38,9 +39,20 @@ import anyio
 
 from tools.calls import ToolCall, ToolResult, ToolStatus
 from tools.errors import InvalidToolArguments
+from tools.parsers.json_calls import MAX_JSON_DEPTH
 from tools.schema import Tool
+from tools.threads import DaemonThreadPool
 from tools.toolset import Toolset
-from tools.validation import bind_arguments
+from tools.validation import bind_arguments, value_depth
+
+
+class _ToolRaised(Exception):
+    """Carries what a sync tool raised out of the thread, so a KeyboardInterrupt of the tool's own is not
+    taken for the caller's."""
+
+    def __init__(self, exception: BaseException) -> None:
+        super().__init__(exception)
+        self.exception = exception
 
 
 class ToolExecutor:
@@ -76,7 +88,7 @@ class ToolExecutor:
         self.max_output_chars = max_output_chars
         self.parallel = parallel
         self.infrastructure_errors = infrastructure_errors
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="tool")
+        self._pool = DaemonThreadPool(max_workers, name="tool")
         self._lock = threading.Lock()
         self._hung = 0
 
@@ -107,6 +119,11 @@ class ToolExecutor:
             return self._result(
                 call, ToolStatus.UNKNOWN_TOOL, _unknown_tool_message(call.name, toolset), started
             )
+        if value_depth(call.arguments) > MAX_JSON_DEPTH:  # parsers cap it; a call built in code may not
+            message = (
+                f"Error: the arguments are nested more than {MAX_JSON_DEPTH} levels deep; pass flatter values"
+            )
+            return self._result(call, ToolStatus.INVALID_ARGUMENTS, message, started)
         try:
             kwargs = bind_arguments(tool, call.arguments)
         except InvalidToolArguments as exc:
@@ -118,18 +135,23 @@ class ToolExecutor:
                 outcome = await _await_within(tool.fn(**kwargs), timeout_s)
             else:
                 outcome = await self._run_in_thread(tool, kwargs, timeout_s)
+        except _ToolRaised as raised:  # a sync tool's exception, whatever it is (KeyboardInterrupt too)
+            return self._error(call, raised.exception, started, tool)
         except (Exception, SystemExit) as exc:  # SystemExit: a tool calling sys.exit() must not end the run
-            message = f"Error: {type(exc).__name__}: {exc}"
-            infrastructure = isinstance(exc, self.infrastructure_errors)
-            return self._result(call, ToolStatus.ERROR, message, started, tool, exc, infrastructure)
+            return self._error(call, exc, started, tool)
         if isinstance(outcome, _TimedOut):
             message = outcome.message(tool.name, timeout_s)
             return self._result(call, ToolStatus.TIMEOUT, message, started, tool, infrastructure=True)
         return self._result(call, ToolStatus.OK, render_output(outcome), started, tool)
 
+    def _error(self, call: ToolCall, exc: BaseException, started: float, tool: Tool) -> ToolResult:
+        message = f"Error: {type(exc).__name__}: {exc}"
+        infrastructure = isinstance(exc, self.infrastructure_errors)
+        return self._result(call, ToolStatus.ERROR, message, started, tool, exc, infrastructure)
+
     def close(self) -> None:
         """Stop the thread pool: queued calls are dropped, running (maybe hung) threads are not waited for."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def __enter__(self) -> ToolExecutor:
         return self
@@ -140,16 +162,20 @@ class ToolExecutor:
     # --- internals -----------------------------------------------------------------------------------
 
     async def _run_in_thread(self, tool: Tool, kwargs: dict[str, Any], timeout_s: float | None) -> Any:
-        context = contextvars.copy_context()
         running = threading.Event()
 
         def call() -> Any:
             running.set()
-            return context.run(tool.fn, **kwargs)
+            return tool.fn(**kwargs)
 
         future = self._pool.submit(call)
         with anyio.move_on_after(timeout_s) as scope:
-            return await asyncio.wrap_future(future)
+            try:
+                return await asyncio.wrap_future(future)
+            except BaseException as exc:
+                if future.done() and not future.cancelled() and future.exception() is exc:
+                    raise _ToolRaised(exc) from exc
+                raise
         if not scope.cancelled_caught:  # cancelled from outside: not our timeout
             raise anyio.get_cancelled_exc_class()
         if future.cancel():  # still queued: it will never run

@@ -35,6 +35,30 @@ from tools.schema import Tool, from_json_value
 _INT_RE = re.compile(r"^\s*[-+]?\d+\s*$")
 
 
+def value_depth(value: Any) -> int:
+    """How deeply lists and dicts nest in `value` (iterative: any depth is measured without recursion)."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list | tuple):
+            depth += 1
+            deepest = max(deepest, depth)
+            stack.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def json_value(text: str) -> Any:
+    """One JSON value, nested at most MAX_JSON_DEPTH deep (json.JSONDecodeError otherwise)."""
+    from tools.parsers.json_calls import raw_decode
+
+    start = len(text) - len(text.lstrip())
+    value, end = raw_decode(text, start)
+    if text[end:].strip():
+        raise json.JSONDecodeError("Extra data", text, end)
+    return value
+
+
 def bind_arguments(tool: Tool, arguments: Mapping[str, Any] | str | None) -> dict[str, Any]:
     """Validate and coerce a call's arguments; return the keyword arguments for `tool.fn`."""
     args = _as_object(tool.name, arguments)
@@ -94,7 +118,7 @@ def _as_object(tool: str, arguments: Mapping[str, Any] | str | None) -> dict[str
         if not arguments.strip():
             return {}
         try:
-            arguments = json.loads(arguments)
+            arguments = json_value(arguments)
         except json.JSONDecodeError as exc:
             raise InvalidToolArguments(
                 tool, None, f"not valid JSON ({exc.msg} at position {exc.pos})"
@@ -164,7 +188,7 @@ def _coerce_scalar(value: Any, kind: str) -> Any:
         return str(value)
     elif kind in ("array", "object") and isinstance(value, str):
         try:
-            parsed = json.loads(value)
+            parsed = json_value(value)
         except json.JSONDecodeError:
             return _NO
         if _is_kind(parsed, kind):

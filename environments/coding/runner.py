@@ -24,6 +24,7 @@ try:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("solution", "solution.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     outcome = {"ok": True, "value": getattr(module, request["function"])(*request["args"])}

@@ -1,14 +1,16 @@
 """Environment instances for rollouts: built once, reset per rollout, closed when discarded.
 
-    pool = EnvironmentPool(routed)                   # one per environment of the run
+    pool = EnvironmentPool(routed, threads=threads)  # one per environment of the run
     async with pool.instance() as env:               # an idle instance, or a new one
-        prompt = await call_hook(env.reset, **row)   # inside the rollout's own task
+        prompt = await call_hook(env.reset, threads=threads, **row)   # inside the rollout's own task
         ...
     await pool.close()                               # close() on every instance
 
-Construction and the sync hooks (reset, get_reward, close) run on worker threads, so a slow
-environment delays its own rollout, never the event loop. An instance whose episode raised is discarded
-(closed), not reused: its state is unknown. `max_concurrent` (the manifest's) caps live instances.
+Construction and the sync hooks (reset, get_reward, close) run on the loop's daemon threads
+(tools.threads.DaemonThreadPool), so a slow environment delays its own rollout, never the event loop; the
+rollout's episode_timeout_s abandons a hook that never returns, and such a thread never holds the process
+at exit. An instance whose episode raised is discarded (closed), not reused: its state is unknown.
+`max_concurrent` (the manifest's) caps live instances.
 """
 
 from __future__ import annotations
@@ -21,15 +23,14 @@ from typing import Any
 import anyio
 
 from environments.routing import RoutedEnvironment
+from tools.threads import DaemonThreadPool
 
 
-async def call_hook(
-    hook: Callable[..., Any], *args: Any, limiter: anyio.CapacityLimiter | None = None, **kwargs: Any
-) -> Any:
-    """Await an async hook, or run a sync one on a worker thread."""
+async def call_hook(hook: Callable[..., Any], *args: Any, threads: DaemonThreadPool, **kwargs: Any) -> Any:
+    """Await an async hook, or run a sync one on one of `threads` (cancelling the caller abandons it)."""
     if inspect.iscoroutinefunction(hook):
         return await hook(*args, **kwargs)
-    result = await anyio.to_thread.run_sync(lambda: hook(*args, **kwargs), limiter=limiter)
+    result = await threads.run(hook, *args, **kwargs)
     if inspect.isawaitable(result):  # a sync callable that returned a coroutine
         return await result
     return result
@@ -38,9 +39,9 @@ async def call_hook(
 class EnvironmentPool:
     """Reusable instances of one environment."""
 
-    def __init__(self, routed: RoutedEnvironment, *, limiter: anyio.CapacityLimiter | None = None):
+    def __init__(self, routed: RoutedEnvironment, *, threads: DaemonThreadPool):
         self.routed = routed
-        self._limiter = limiter
+        self._threads = threads
         self._idle: list[Any] = []
         self._live = 0
         cap = routed.manifest.max_concurrent
@@ -73,7 +74,7 @@ class EnvironmentPool:
             await self._discard(env)
 
     async def _create(self) -> Any:
-        env = await anyio.to_thread.run_sync(self.routed.factory, limiter=self._limiter)
+        env = await self._threads.run(self.routed.factory)
         self.created += 1
         self._live += 1
         return env
@@ -84,4 +85,4 @@ class EnvironmentPool:
         close = getattr(env, "close", None)
         if callable(close):
             with contextlib.suppress(Exception):  # a failing close must not hide why the episode ended
-                await call_hook(close, limiter=self._limiter)
+                await call_hook(close, threads=self._threads)

@@ -64,6 +64,7 @@ from harness.weight_sync.strategies import adapter_name
 from sandboxes.errors import INFRASTRUCTURE_ERRORS, SandboxError
 from sandboxes.pool import SandboxPool
 from tools import ToolExecutor, ToolResult, Toolset, ToolStats
+from tools.threads import DaemonThreadPool
 
 log = logging.getLogger(__name__)
 LOAD_POLL_S = 5.0
@@ -301,10 +302,12 @@ class AsyncRolloutLoop:
                 infrastructure_errors=INFRASTRUCTURE_ERRORS,
             )
         )
-        self.thread_limiter = anyio.CapacityLimiter(config.max_concurrent_rollouts)
+        # sync environment hooks and reward functions: daemon threads, so one that never returns is
+        # abandoned at its rollout's timeout and never holds the worker process at exit
+        self.threads = DaemonThreadPool(config.max_concurrent_rollouts, name="rollout-hook")
+        stack.callback(self.threads.shutdown)
         self.env_pools = {
-            name: EnvironmentPool(routed, limiter=self.thread_limiter)
-            for name, routed in self.environments.items()
+            name: EnvironmentPool(routed, threads=self.threads) for name, routed in self.environments.items()
         }
         self.sandbox_pools: dict[Any, SandboxPool] = {}
         for routed in self.environments.values():
@@ -492,9 +495,7 @@ class AsyncRolloutLoop:
                     self.window.add(f"env/{routed.name}/sandbox_acquire_s", time.monotonic() - leased_at)
                 try:
                     started = time.monotonic()
-                    reset_text = await call_hook(
-                        env.reset, limiter=self.thread_limiter, **reset_arguments(row)
-                    )
+                    reset_text = await call_hook(env.reset, threads=self.threads, **reset_arguments(row))
                     self.window.add("env/reset_s", time.monotonic() - started)
                     prompt = _prompt_of(row, reset_text)
                     tools = [*self.tools, *environment_tools(env, manifest).values()]
@@ -503,7 +504,7 @@ class AsyncRolloutLoop:
                     get_reward = getattr(env, "get_reward", None)
                     if callable(get_reward) and not rollout.failed:
                         started = time.monotonic()
-                        value = await call_hook(get_reward, limiter=self.thread_limiter)
+                        value = await call_hook(get_reward, threads=self.threads)
                         self.window.add("env/reward_s", time.monotonic() - started)
                         env_reward = (routed.cls, float(value))
                 finally:
@@ -538,7 +539,7 @@ class AsyncRolloutLoop:
                     [group.completions[i] for i in kept],
                     [group.completions_ids[i] for i in kept],
                     {key: [values[i] for i in kept] for key, values in group.reward_kwargs.items()},
-                    limiter=self.thread_limiter,
+                    threads=self.threads,
                 )
         except RewardFunctionError as exc:  # the group is dropped (all NaN), its rollouts still recorded
             log.error("group %d dropped: %s", group.group_id, exc)

@@ -23,6 +23,8 @@ from typing import Any
 import anyio
 import numpy as np
 
+from tools.threads import DaemonThreadPool
+
 RewardFunc = Callable[..., Any]
 ADVANTAGE_EPS = 1e-4
 
@@ -40,6 +42,11 @@ def reward_func_name(func: RewardFunc) -> str:
     return type(func).__name__
 
 
+@functools.cache
+def _default_threads() -> DaemonThreadPool:
+    return DaemonThreadPool(64, name="reward")
+
+
 async def call_reward_funcs(
     reward_funcs: Sequence[RewardFunc],
     prompts: list[Any],
@@ -47,9 +54,11 @@ async def call_reward_funcs(
     completion_ids: list[list[int]],
     columns: Mapping[str, list[Any]],
     *,
-    limiter: anyio.CapacityLimiter | None = None,
+    threads: DaemonThreadPool | None = None,
 ) -> np.ndarray:
-    """Every reward function on the group, concurrently; an (F, G) float array, NaN where one said None."""
+    """Every reward function on the group, concurrently; an (F, G) float array, NaN where one said None.
+    Sync functions run on `threads` (the rollout loop's daemon threads), else on a pool of their own."""
+    threads = threads or _default_threads()
     size = len(completions)
     rewards_F_G = np.full((len(reward_funcs), size), np.nan)
     kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
@@ -62,7 +71,7 @@ async def call_reward_funcs(
             if _is_async(func):
                 values = await func(**kwargs)
             else:
-                values = await anyio.to_thread.run_sync(functools.partial(func, **kwargs), limiter=limiter)
+                values = await threads.run(func, **kwargs)
             rewards_F_G[index] = _as_rewards(name, values, size)
         except RewardFunctionError as exc:
             failures.append(exc)

@@ -199,12 +199,15 @@ class ToolCallParser(ABC):
         truncated: bool,
         read: Callable[[str, str], list[ToolCall] | ParseError],
         tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+        closing_at: Callable[[str, int], int | None] | None = None,
     ) -> tuple[str, list[ToolCall], list[ParseError]]:
         """Walk the `<tool_call>...</tool_call>` blocks of a reply (the Qwen, Qwen-XML and GLM formats).
 
         `read(body, block)` turns one closed block into calls or an error; text outside the blocks, and every
         block that fails, becomes content. A block that never closes is `unclosed_tag`, or `truncated` when it
-        runs to the end of a reply cut by the token limit.
+        runs to the end of a reply cut by the token limit. `closing_at(text, body_start)` may find where a
+        well-formed body's closing tag is (a JSON body whose strings hold the tags, say); else the first
+        closing tag ends the block.
         """
         opening, closing = tags
         scan = Scan()
@@ -212,8 +215,9 @@ class ToolCallParser(ABC):
         while (start := text.find(opening, pos)) >= 0:
             scan.content.append(text[pos:start])
             body_start = start + len(opening)
-            end = text.find(closing, body_start)
-            reopened = text.find(opening, body_start)
+            known = closing_at(text, body_start) if closing_at is not None else None
+            end = known if known is not None else text.find(closing, body_start)
+            reopened = text.find(opening, body_start) if known is None else -1
             if reopened >= 0 and (end < 0 or reopened < end):
                 # Another call starts before this one closed: this one was left open.
                 scan.content.append(text[start:reopened])

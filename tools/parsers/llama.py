@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from tools.calls import ToolCall
 from tools.parsers.base import ParseError, ParseErrorKind, ToolCallParser
-from tools.parsers.json_calls import call_from_object
+from tools.parsers.json_calls import call_from_object, raw_decode
 from tools.schema import Tool
 
 PYTHON_TAG = "<|python_tag|>"
@@ -45,12 +45,11 @@ class LlamaParser(ToolCallParser):
                 return text, [], [self._error(ParseErrorKind.BAD_JSON, _NOT_JSON, text)]
             return text, [], []
 
-        decoder = json.JSONDecoder()
         calls: list[ToolCall] = []
         pos = 0
         while pos < len(body) and body[pos] == "{":
             try:
-                obj, end = decoder.raw_decode(body, pos)
+                obj, end = raw_decode(body, pos)
             except json.JSONDecodeError as exc:
                 if not (tagged or calls or _LOOKS_LIKE_CALL.match(body)):
                     return text, [], []  # text that happens to start with "{": an answer, not a call

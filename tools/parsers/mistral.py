@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from tools.calls import ToolCall
 from tools.parsers.base import ParseError, ParseErrorKind, Scan, ToolCallParser
-from tools.parsers.json_calls import call_from_object
+from tools.parsers.json_calls import call_from_object, raw_decode
 from tools.schema import Tool
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -60,7 +60,7 @@ class MistralParser(ToolCallParser):
         """`[{"name": ..., "arguments": {...}, "id": ...}, ...]`; returns where it ends."""
         start = len(text) - len(text[pos:].lstrip())
         try:
-            items, end = json.JSONDecoder().raw_decode(text, start)
+            items, end = raw_decode(text, start)
         except json.JSONDecodeError as exc:
             end = _next_call(text, start)
             if truncated and end == len(text):
@@ -107,7 +107,7 @@ class MistralParser(ToolCallParser):
         args_start = args_at + len(ARGS)
         args_start += len(text[args_start:]) - len(text[args_start:].lstrip())
         try:
-            arguments, end = json.JSONDecoder().raw_decode(text, args_start)
+            arguments, end = raw_decode(text, args_start)
         except json.JSONDecodeError as exc:
             if truncated and limit == len(text):
                 return limit, self._unfinished(f"the arguments of call '{name}'", text[pos:limit], truncated)

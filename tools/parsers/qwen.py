@@ -11,7 +11,8 @@
 
 Any number of calls, anywhere in the reply; the text between them is content. Each tag must close, and
 its body must be one JSON object with a "name" and an "arguments" object (an "arguments" string holding
-such an object is accepted too).
+such an object is accepted too). A block ends at the closing tag after its JSON object, so an argument
+that holds the tags themselves (code that prints "</tool_call>") does not end the call early.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 
 from tools.calls import ToolCall
 from tools.parsers.base import ParseError, ParseErrorKind, ToolCallParser
-from tools.parsers.json_calls import call_from_object, decode_json
+from tools.parsers.json_calls import call_from_object, decode_json, raw_decode
 from tools.schema import Tool
 
 
@@ -36,7 +37,7 @@ class QwenParser(ToolCallParser):
     def _parse_calls(
         self, text: str, tools: Mapping[str, Tool], truncated: bool
     ) -> tuple[str, list[ToolCall], list[ParseError]]:
-        return self._scan_tagged(text, truncated, self._read_block)
+        return self._scan_tagged(text, truncated, self._read_block, closing_at=_after_json_body)
 
     def _read_block(self, body: str, block: str) -> list[ToolCall] | ParseError:
         obj, why = decode_json(body.strip())
@@ -46,3 +47,16 @@ class QwenParser(ToolCallParser):
             )
         outcome = call_from_object(obj, block, self._error, arguments_keys=("arguments", "parameters"))
         return [outcome] if isinstance(outcome, ToolCall) else outcome
+
+
+def _after_json_body(text: str, body_start: int) -> int | None:
+    """Where `</tool_call>` is when the block's body is one JSON object followed only by space; else None."""
+    start = len(text) - len(text[body_start:].lstrip())
+    if not text.startswith("{", start):
+        return None
+    try:
+        _, end = raw_decode(text, start)
+    except ValueError:
+        return None
+    closing = len(text) - len(text[end:].lstrip())
+    return closing if text.startswith("</tool_call>", closing) else None

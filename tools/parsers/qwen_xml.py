@@ -18,6 +18,11 @@ template writes strings as they are and other values as JSON (or Python's `True`
 value is typed from the tool's schema (`typed_value`): a string parameter keeps its text, an integer
 parameter reads `7` as 7, an array parameter reads `[1, 2, 3]` as a list. Without a schema (an unknown
 tool or parameter) values stay strings, and the executor reports the unknown name.
+
+Values are raw text, so a value may itself hold the closing tags (code that writes "</parameter>" or
+"</tool_call>"). A tag closes only where the format's structure continues after it: `</parameter>`
+before the next `<parameter=` or the function's end, `</function>` before the next `<function=` or the
+block's end, `</tool_call>` right after a `</function>`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ from tools.schema import Tool
 
 _FUNCTION_RE = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER_RE = re.compile(r"<parameter=([^>\n]*)>")
+_FUNCTION_END = re.compile(r"</function>(?=\s*(?:<function=|\Z))")
+_PARAMETER_END = re.compile(r"</parameter>(?=\s*(?:<parameter=|\Z))")
+_BLOCK_END = re.compile(r"</function>\s*(</tool_call>)")
+_BLOCK_START = re.compile(r"<tool_call>\s*<function=")
 
 
 class QwenXmlParser(ToolCallParser):
@@ -47,28 +56,33 @@ class QwenXmlParser(ToolCallParser):
     def _parse_calls(
         self, text: str, tools: Mapping[str, Tool], truncated: bool
     ) -> tuple[str, list[ToolCall], list[ParseError]]:
-        return self._scan_tagged(text, truncated, lambda body, block: self._read_block(body, block, tools))
+        return self._scan_tagged(
+            text, truncated, lambda body, block: self._read_block(body, block, tools), closing_at=_block_end
+        )
 
     def _read_block(self, body: str, block: str, tools: Mapping[str, Tool]) -> list[ToolCall] | ParseError:
         """The calls of one closed <tool_call> block (normally one), or the error that spoils the block."""
-        functions = list(_FUNCTION_RE.finditer(body))
-        if not functions:
+        match = _FUNCTION_RE.search(body)
+        if match is None:
             return self._error(
                 ParseErrorKind.MISSING_NAME, "the <tool_call> holds no <function=NAME> tag", block
             )
         calls = []
-        for index, match in enumerate(functions):
+        while match is not None:
             name = match.group(1).strip()
             if not name:
                 return self._error(ParseErrorKind.MISSING_NAME, "a <function=...> tag names no tool", block)
-            limit = functions[index + 1].start() if index + 1 < len(functions) else len(body)
-            close = body.find("</function>", match.end(), limit)
-            if close < 0:
+            end = _FUNCTION_END.search(body, match.end())
+            end_at = end.start() if end is not None else body.rfind("</function>", match.end())
+            if end_at < 0:
                 return self._unfinished(f"<function={name}>", block, truncated=False)
-            arguments, error = self._read_parameters(name, body[match.end() : close], block, tools)
+            arguments, error = self._read_parameters(name, body[match.end() : end_at], block, tools)
             if error is not None:
                 return error
             calls.append(ToolCall(name, arguments))
+            if end is None:
+                break  # the last function: what follows its close is not another call
+            match = _FUNCTION_RE.match(body, len(body) - len(body[end.end() :].lstrip()))
         return calls
 
     def _read_parameters(
@@ -82,8 +96,11 @@ class QwenXmlParser(ToolCallParser):
                 return {}, self._error(
                     ParseErrorKind.BAD_ARGUMENTS, f"a <parameter=...> tag of call '{name}' has no name", block
                 )
-            close = body.find("</parameter>", match.end())
-            reopened = _PARAMETER_RE.search(body, match.end())
+            closing = _PARAMETER_END.search(body, match.end())
+            # no close where the structure goes on: the last one, so text after it is reported as stray
+            close = closing.start() if closing is not None else body.rfind("</parameter>", match.end())
+            # another parameter opening on its own line before this one closed: this one was left open
+            reopened = re.compile(r"\n\s*<parameter=").search(body, match.end())
             if close < 0 or (reopened is not None and reopened.start() < close):
                 return {}, self._unfinished(f"<parameter={key}> of call '{name}'", block, truncated=False)
             if key in arguments:
@@ -114,3 +131,13 @@ def _strip_one_newline(value: str) -> str:
     if value.endswith("\n"):
         value = value[:-1]
     return value
+
+
+def _block_end(text: str, body_start: int) -> int | None:
+    """Where a block's `</tool_call>` is: the first one right after a `</function>`; None (the first one,
+    whatever precedes it) when there is none, or when a new block opens before it (this one was left open)."""
+    match = _BLOCK_END.search(text, body_start)
+    if match is None:
+        return None
+    reopened = _BLOCK_START.search(text, body_start, match.start())
+    return match.start(1) if reopened is None else None
