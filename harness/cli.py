@@ -295,11 +295,15 @@ def _envs_show(name: str) -> int:
 
 def _sandbox_reap(args: argparse.Namespace) -> int:
     from sandboxes import errors
-    from sandboxes.reaper import reap_containers, reap_local_dirs
+    from sandboxes.reaper import reap_containers, reap_local_cgroups, reap_local_dirs, reap_local_executors
 
     verb = "would remove" if args.dry_run else "removed"
+    for pid in reap_local_executors(dry_run=args.dry_run):
+        print(f"{'would kill' if args.dry_run else 'killed'} local sandbox executor (pid {pid})")
     for path in reap_local_dirs(dry_run=args.dry_run):
         print(f"{verb} local sandbox directory {path}")
+    for path in reap_local_cgroups(dry_run=args.dry_run):
+        print(f"{verb} local sandbox control group {path}")
     if args.no_docker:
         return 0
     older_than_s = None if args.other_hosts_older_than is None else args.other_hosts_older_than * 3600

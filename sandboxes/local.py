@@ -174,6 +174,7 @@ class LocalSandbox(ProcessSandbox):
         argv = [bwrap, *self._bwrap_arguments(etc)]
         argv += self.agent_command(_sandbox_python(), self.spec.workdir, _rlimits(self.spec))
         _say_what_is_not_enforced()
+        _reap_once()
         return await self._spawn(
             argv,
             # bwrap's own processes (pid 1 of the namespace among them) are readable from inside:
@@ -312,6 +313,21 @@ def _descendants(root: int) -> list[int]:
         frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
         found += sorted(frontier)
     return found
+
+
+@functools.cache
+def _reap_once() -> None:
+    """Once per process, before its first local sandbox: what dead owners on this host left behind."""
+    from sandboxes.reaper import reap_local_cgroups, reap_local_dirs, reap_local_executors
+
+    killed, dirs, groups = reap_local_executors(), reap_local_dirs(), reap_local_cgroups()
+    if killed or dirs or groups:
+        log.warning(
+            "removed what dead runs left of local sandboxes: %d executors, %d directories, %d control groups",
+            len(killed),
+            len(dirs),
+            len(groups),
+        )
 
 
 @functools.cache

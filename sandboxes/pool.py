@@ -34,6 +34,10 @@ from sandboxes.base import Sandbox, SandboxSpec
 logger = logging.getLogger(__name__)
 
 
+# Every place a lease may write: the working directory (the command's cwd), /tmp and /dev/shm.
+_WIPE = 'for d in . /tmp /dev/shm; do if [ -d "$d" ]; then find "$d" -mindepth 1 -delete || exit 1; fi; done'
+
+
 @dataclass
 class PoolStats:
     """Counters since the pool opened."""
@@ -218,10 +222,11 @@ class SandboxPool:
                 self._changed.notify_all()
 
     async def _wipe(self, sandbox: Sandbox) -> bool:
-        """Kill what runs in the sandbox and empty its working directory; False if that failed."""
+        """Kill what runs in the sandbox and empty its working directory, /tmp and /dev/shm; False if that
+        failed (the sandbox is then discarded, never leased half-wiped)."""
         try:
             await sandbox.kill_all()
-            result = await sandbox.exec(["find", ".", "-mindepth", "1", "-delete"], timeout_s=30)
+            result = await sandbox.exec(_WIPE, timeout_s=30)
         except errors.SandboxError:
             return False
         return result.ok

@@ -3,6 +3,7 @@ is never touched."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from sandboxes.local import sandbox_root
 from sandboxes.owner import Owner, process_start_ticks, this_owner
-from sandboxes.reaper import reap_containers, reap_local_dirs
+from sandboxes.reaper import reap_containers, reap_local_dirs, reap_local_executors
 
 HOLD_SANDBOXES = textwrap.dedent(
     """
@@ -131,3 +133,84 @@ def test_reap_command_removes_dead_owners_dirs(capsys):
     assert main(["sandbox", "reap", "--no-docker"]) == 0
     assert f"removed local sandbox directory {dead}" in capsys.readouterr().out
     assert not dead.exists()
+
+
+START_ONE = textwrap.dedent(
+    """
+    import sys, anyio
+    from sandboxes.backends import create_sandbox
+    from sandboxes.base import SandboxSpec
+
+    async def main():
+        print("starting", flush=True)
+        sandbox = create_sandbox(SandboxSpec(backend="local"))
+        await sandbox.start()
+        print("started", flush=True)
+        await anyio.sleep(600)
+
+    anyio.run(main)
+    """
+)
+
+
+def processes_of(tag: str) -> list[int]:
+    """Live (not zombie) processes whose command line names an owner tag."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and running(int(entry.name)):
+            with contextlib.suppress(OSError):
+                if tag.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.4, "started"])
+def test_an_owner_killed_at_any_stage_of_a_start_leaves_no_sandbox_process(delay_s):
+    """SIGKILL the owner while its sandbox starts (before bwrap runs, while it sets up, while the executor
+    starts, once it answers): no process of the sandbox outlives it for long (the executor reads end of
+    input and exits; its namespace goes with it), and what is left on disk the reaper removes."""
+    owner = subprocess.Popen([sys.executable, "-c", START_ONE], stdout=subprocess.PIPE, text=True)
+    tag = Owner(this_owner().host, owner.pid, process_start_ticks(owner.pid) or 0).tag()
+    try:
+        assert owner.stdout.readline().strip() == "starting"
+        if delay_s == "started":
+            assert owner.stdout.readline().strip() == "started"
+            assert processes_of(tag), "the started sandbox runs"
+        else:
+            time.sleep(delay_s)
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    deadline = time.monotonic() + 10
+    while processes_of(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(tag) == []
+    reap_local_executors()
+    reap_local_dirs()
+    assert not list(sandbox_root().glob(f"{tag}-*"))
+
+
+def test_the_reaper_kills_an_executor_whose_owner_is_gone_and_nothing_else(tmp_path):
+    """An executor that outlived its owner (the owner died where end of input could not reach it): found by
+    its command line, killed; a process that merely mentions the tag is left alone."""
+    from sandboxes.base import AGENT_SOURCE
+
+    me = this_owner()
+    dead = Owner(me.host, me.pid, me.start_ticks + 7).tag()
+    config = json.dumps({"owner": dead, "workdir": str(tmp_path)})
+    # a stand-in with the executor's command line that just sleeps (stdin kept open, so it does not exit)
+    lookalike = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", AGENT_SOURCE, config], stdin=subprocess.PIPE
+    )
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", dead])
+    try:
+        time.sleep(0.2)
+        assert lookalike.pid in reap_local_executors(dry_run=True)
+        assert lookalike.pid in reap_local_executors()
+        assert lookalike.wait(timeout=5) == -signal.SIGKILL
+        assert bystander.poll() is None
+    finally:
+        for process in (lookalike, bystander):
+            process.kill()
+            process.wait()

@@ -216,3 +216,56 @@ async def test_an_answer_to_no_request_is_ignored():
     with anyio.fail_after(5):
         assert (await channel.request("ping", wait_s=5))["pid"] == 7
     await channel.close()
+
+
+# --- the local backend's control group (root with cgroups) ------------------------------------------
+
+HOLD_60_MB = "b = bytearray(60 << 20); b[::4096] = b'x' * len(b[::4096]); import time; time.sleep(2)"
+TOUCH_MEMORY = f"""
+import subprocess, sys
+children = [subprocess.Popen([sys.executable, "-c", {HOLD_60_MB!r}]) for _ in range(4)]
+print([child.wait() for child in children])
+"""
+
+
+def _cgroup_problem() -> str | None:
+    from sandboxes.cgroups import cgroup_problem
+
+    return cgroup_problem()
+
+
+@pytest.mark.skipif(
+    _cgroup_problem() is not None, reason=f"no cgroups for sandboxes here: {_cgroup_problem()}"
+)
+async def test_a_local_sandbox_gets_a_control_group_with_its_limits():
+    async with create_sandbox(spec("local", memory_mb=160, pids=48, cpus=0.5)) as sandbox:
+        group = sandbox._cgroup
+        assert group is not None
+        procs = {
+            int(pid)
+            for directory in group.directories
+            for pid in (directory / "cgroup.procs").read_text().split()
+        }
+        assert sandbox._process.pid in procs
+        # four processes of 60 MB each fit RLIMIT_AS one by one, not the sandbox's 160 MB together
+        result = await sandbox.exec(["python3", "-c", TOUCH_MEMORY], timeout_s=60)
+        codes = json.loads(result.stdout)
+        assert -9 in codes, (result.stdout, result.stderr)
+        assert await sandbox.alive()
+        directories = group.directories
+    assert not any(directory.exists() for directory in directories)  # removed with the sandbox
+
+
+async def test_the_first_local_sandbox_says_which_limits_it_cannot_enforce(monkeypatch, caplog):
+    import logging
+
+    import sandboxes.local as local
+
+    local._say_what_is_not_enforced.cache_clear()
+    monkeypatch.setattr(local, "cgroup_problem", lambda: "the harness does not run as root")
+    with caplog.at_level(logging.WARNING, logger="sandboxes.local"):
+        async with create_sandbox(spec("local")):
+            pass
+    local._say_what_is_not_enforced.cache_clear()
+    (record,) = [r for r in caplog.records if "cannot" in r.getMessage() or "no cgroup" in r.getMessage()]
+    assert "does not run as root" in record.getMessage() and "cpus is not enforced" in record.getMessage()

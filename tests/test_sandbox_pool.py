@@ -108,3 +108,16 @@ async def test_start_failure_is_typed_and_gives_the_slot_back():
 def test_impossible_pool_sizes_are_refused():
     with pytest.raises(errors.InvalidSandboxConfig, match="min_idle"):
         SandboxPool(SPEC, min_idle=5, max_total=2)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+async def test_reuse_wipes_tmp_and_dev_shm_too(backend):
+    spec = SandboxSpec(backend=backend, exec_timeout_s=30)
+    async with SandboxPool(spec, max_total=1, reuse=True) as pool:
+        async with pool.lease() as first:
+            await first.exec("echo secret > /tmp/left.txt; mkdir -p /tmp/d; echo x > /dev/shm/left || true")
+        async with pool.lease() as second:
+            assert second is first
+            listing = await second.exec("ls -A /tmp; ls -A /dev/shm 2>/dev/null; true")
+        assert listing.stdout == ""
+        assert pool.stats.reused == 2
