@@ -105,6 +105,8 @@ class TrainingSample:
         queued_at: time.monotonic() when the sample entered the rollout queue.
         token_share: Its share of its group's `GroupResult.num_tokens` (set by the trainer when it takes
             the group): what training or dropping it gives back to the worker's token allowance.
+        position: Its prompt's position in the worker's stream (set by the trainer when it takes the group):
+            a prompt is done, for resuming, once all its samples are trained or dropped.
     """
 
     sequence: TrainingSequence
@@ -113,6 +115,7 @@ class TrainingSample:
     model_version: int = 0
     queued_at: float = 0.0
     token_share: float = 0.0
+    position: int = -1
 
 
 RolloutStatus = Literal["ok", "failed"]

@@ -91,8 +91,9 @@ class AsyncRolloutLoop:
     `failed_event` and `exception_info_queue` (a fatal error and its traceback), `metrics_queue` (logging
     windows), `rollout_buffer` (GroupResult items). Beyond the reference: `stop_event` asks for a
     graceful stop, `held_event` is set while the allowance holds generation with no group in flight (the
-    trainer then knows no more samples are coming and trains on what it has), and `client` may be given
-    (tests pass a double implementing GenerationClient's methods).
+    trainer then knows no more samples are coming and trains on what it has), `dataset_skip_positions`
+    are prompts a resumed run had done already (past `dataset_start_index`), and `client` may be given
+    (any harness.generation.protocol.SamplingServer; tests pass harness.testing.FakeGenerationServer).
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class AsyncRolloutLoop:
         lora_name: str | None = None,
         dataset_start_index: int = 0,
         lora_name_prefix: str | None = None,
+        dataset_skip_positions: Sequence[int] = (),
         *,
         stop_event: multiprocessing.synchronize.Event | None = None,
         held_event: multiprocessing.synchronize.Event | None = None,
@@ -140,6 +142,7 @@ class AsyncRolloutLoop:
         self.lora_name = lora_name
         self.lora_name_prefix = lora_name_prefix
         self.dataset_start_index = dataset_start_index
+        self.dataset_skip_positions = frozenset(dataset_skip_positions)  # done before a resume
         self.stop_event = stop_event
         self.held_event = held_event
         self.client = client
@@ -358,7 +361,8 @@ class AsyncRolloutLoop:
         position = self.dataset_start_index
         if self.dataset is None:
             while True:
-                yield position, position, 0, {}
+                if position not in self.dataset_skip_positions:
+                    yield position, position, 0, {}
                 position += 1
         if not hasattr(self.dataset, "__len__"):  # a streaming dataset cannot be repositioned
             for index, row in enumerate(self.dataset):
@@ -369,6 +373,9 @@ class AsyncRolloutLoop:
             raise ValueError("the training dataset is empty")
         epochs = math.ceil(self.config.num_train_epochs) if self.config.max_steps <= 0 else None
         while epochs is None or position < epochs * size:
+            if position in self.dataset_skip_positions:
+                position += 1
+                continue
             epoch, index = divmod(position, size)
             order = np.random.default_rng(self.config.seed + epoch).permutation(size)
             row_index = int(order[index])

@@ -50,9 +50,16 @@ class RunCounters:
 
     Attributes:
         model_version: The policy version the generation server has (bumped at each weight sync).
-        trained_position: The first prompt position not yet trained on or dropped: the rollout worker
-            restarts there after a resume.
-        prompts_done: Prompts done (trained on, dropped or filtered): what the epoch counts.
+        trained_position: The first prompt position not yet done: the rollout worker restarts there after a
+            resume. A prompt is done once every sample of it was trained on or dropped (or it had none):
+            prompts whose samples were pulled but not yet trained are not, so a resume generates them
+            again instead of losing them.
+        done_positions: Prompt positions past `trained_position` that are done (groups finish out of
+            order); the resumed worker skips them.
+        retrained_positions: Prompts some of whose samples were trained when the checkpoint was written
+            but not all: generated again after a resume, so those samples are trained twice (counted in
+            `resume/retrained_prompt_count`).
+        prompts_done: Prompts done: what the epoch counts.
         tokens_consumed: Tokens the trainer has taken from the worker (trained or dropped), in the unit of
             the worker's token allowance (harness/rollout/pacing.py).
         last_step_tokens: The last step's share of them (the allowance grows by max_staleness such steps).
@@ -61,6 +68,8 @@ class RunCounters:
 
     model_version: int = 0
     trained_position: int = 0
+    done_positions: list[int] = dataclasses.field(default_factory=list)
+    retrained_positions: list[int] = dataclasses.field(default_factory=list)
     prompts_done: int = 0
     tokens_consumed: float = 0.0
     last_step_tokens: float = 0.0

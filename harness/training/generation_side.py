@@ -26,7 +26,7 @@ import copy
 import shutil
 import tempfile
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -144,11 +144,13 @@ def start_rollout_worker(
     model: Any,
     weight_sync: WeightSync | None,
     start_position: int,
+    skip_positions: Sequence[int] = (),
     version: int,
     token_allowance: int,
 ) -> RolloutWorker:
     """Rank 0: spawn the worker running `loop_cls(**loop_kwargs, ...)` against the server at `base_url`,
-    from prompt position `start_position`, at policy `version`. The caller stops it."""
+    from prompt position `start_position` (skipping `skip_positions`, done already), at policy `version`.
+    The caller stops it."""
     worker_args = copy.copy(args)
     worker_args.vllm_server_base_url = base_url
     kwargs: dict[str, Any] = {
@@ -158,6 +160,7 @@ def start_rollout_worker(
         "processing_class": tokenizer,
         "eos_token_ids": eos_token_ids(tokenizer, model),
         "dataset_start_index": start_position,
+        "dataset_skip_positions": list(skip_positions),
     }
     prefix = weight_sync.adapter_prefix if weight_sync is not None else None
     if prefix is not None:  # adapter sync: the worker names the newest version it knows

@@ -36,6 +36,16 @@ class Processes:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true on any process (every process calls it)."""
+        if self.world_size == 1:
+            return flag
+        import torch.distributed as dist
+
+        flags: list[Any] = [None] * self.world_size
+        dist.all_gather_object(flags, bool(flag))
+        return any(flags)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             import torch.distributed as dist

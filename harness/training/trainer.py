@@ -36,8 +36,10 @@ import contextlib
 import json
 import logging
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +62,11 @@ from harness.training.checkpointing import (
 )
 from harness.training.flops import device_peak_flops, training_flops
 from harness.training.generation_side import generation_server, open_weight_sync, start_rollout_worker
+from harness.training.ledger import PromptLedger
 from harness.training.loss import LossConfig, fused_policy_loss
 from harness.training.moe import router_aux_loss, router_aux_loss_coef
 from harness.training.processes import Processes
-from harness.types import GroupResult, TrainingSample
+from harness.types import TrainingSample
 from harness.weight_sync.plan import check_no_lm_head_adapter
 from harness.weight_sync.strategies import WeightSync
 
@@ -159,6 +162,7 @@ class AsyncGRPOTrainer(Trainer):
         self._setup_run(resume_from_checkpoint)
         processes, counters = self.processes, self.counters
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self._sigterm_stops_the_run())
             base_url = stack.enter_context(  # every process: it may gather the weights for the server
                 generation_server(
                     args,
@@ -191,6 +195,7 @@ class AsyncGRPOTrainer(Trainer):
                     model=self.model,
                     weight_sync=self._weight_sync,
                     start_position=counters.trained_position,
+                    skip_positions=counters.done_positions,
                     version=counters.model_version,
                     token_allowance=self._token_allowance(),
                 )
@@ -199,9 +204,13 @@ class AsyncGRPOTrainer(Trainer):
             losses = []
             while not self._done():
                 step_metrics = self._train_step()
+                if step_metrics is None:  # SIGTERM while rank 0 waited for samples
+                    break
                 losses.append(step_metrics.get("loss", math.nan))
                 self.state.global_step += 1
                 self._after_step(step_metrics)
+            if self._stopping:
+                self._stop_after_sigterm()
             self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         # leave together: a process that exits while rank 0 still stops the worker and the server can crash
         # in NCCL's watchdog thread at interpreter exit (seen on 2 H200s)
@@ -237,12 +246,13 @@ class AsyncGRPOTrainer(Trainer):
             vllm_importance_sampling_clip_max=args.vllm_importance_sampling_clip_max,
         )
         self.counters = RunCounters()
+        self._stopping = False  # a SIGTERM came (preemption): stop after the step, checkpoint if configured
+        self._last_saved_step = -1
         self._num_parameters = sum(parameter.numel() for parameter in self.model.parameters())
         self._peak_flops = device_peak_flops(torch.device(args.device), half_precision=args.bf16 or args.fp16)
         self._weight_sync = None
         self._client = None
         self._token_budget = None
-        self.trained_positions: set[int] = set()  # done positions past counters.trained_position
         self.pending: list[TrainingSample] = []
         self.window = MetricsWindow()
         self._finished_worker = False
@@ -251,6 +261,10 @@ class AsyncGRPOTrainer(Trainer):
         self.pair_weight = pair_weight_for_config(self.model.config)
         if checkpoint is not None:
             self.counters, self.state.global_step = self.checkpointer.load(checkpoint)
+            self._last_saved_step = self.state.global_step
+            # generated again after the resume: the samples of these already trained are trained twice
+            self.window.add("resume/retrained_prompt_count", len(self.counters.retrained_positions))
+        self.ledger = PromptLedger(self.counters)
 
     @property
     def _is_main(self) -> bool:
@@ -267,7 +281,9 @@ class AsyncGRPOTrainer(Trainer):
 
     def save_checkpoint(self) -> Path:
         """Write checkpoint-<global_step>/: weights, optimizer, scheduler and the run's counters."""
+        self.ledger.snapshot()
         directory = self.checkpointer.save(self.state, self.counters)
+        self._last_saved_step = self.state.global_step
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return directory
 
@@ -323,13 +339,17 @@ class AsyncGRPOTrainer(Trainer):
 
     # --- one training step ----------------------------------------------------------------------------
 
-    def _train_step(self) -> dict[str, float]:
-        """Pull samples, drop the stale, plan rows, forward/backward each, step, sync, and report."""
+    def _train_step(self) -> dict[str, float] | None:
+        """Pull samples, drop the stale, plan rows, forward/backward each, step, sync, and report; None when
+        a SIGTERM came while rank 0 waited for samples (no step was taken)."""
         args: AsyncGRPOConfig = self.args
         step_started = time.monotonic()
         # rank 0 plans every rank's rows; the prompts it has seen done set every rank's epoch
         planned = (self._plan_step(), self.counters.prompts_done) if self._is_main else None
         plan_rows, self.counters.prompts_done = self.processes.broadcast(planned)
+        if plan_rows is None:
+            self._stopping = True
+            return None
         waited = time.monotonic() - step_started
         out = self._train_on_plan(plan_rows)
         if (self.state.global_step + 1) % args.weight_sync_steps == 0:
@@ -441,7 +461,7 @@ class AsyncGRPOTrainer(Trainer):
             merged.merge(state)
         return torch.tensor(math.fsum(loss for loss, _ in states), dtype=torch.float64), merged
 
-    def _plan_step(self) -> dict[str, Any]:
+    def _plan_step(self) -> dict[str, Any] | None:
         """Rank 0: gather fresh samples until a step's rows are full, and split them into rows for every rank.
 
         The rows are full when the kept samples overflow the step's micro-batches (some are left over for
@@ -453,6 +473,8 @@ class AsyncGRPOTrainer(Trainer):
         assert self._token_budget is not None  # train() sets it from the config or the server
         nothing_coming, plan = False, None
         while True:
+            if self._stopping:
+                return None
             if plan is None:  # planned again only when samples arrived, not after each empty wait
                 plan = plan_micro_batches(
                     self.pending,
@@ -465,6 +487,13 @@ class AsyncGRPOTrainer(Trainer):
             if full or (plan.micro_batches and (self._finished_worker or nothing_coming)):
                 break
             if self._finished_worker:
+                if plan.dropped_oversize:
+                    longest = max(len(self.pending[i].sequence.input_ids) for i in plan.dropped_oversize)
+                    raise RuntimeError(
+                        f"the rollout worker finished, and all {len(plan.dropped_oversize)} samples it sent "
+                        f"are longer than a row's token_budget ({self._token_budget} tokens; the longest has "
+                        f"{longest}): raise token_budget, or shorten prompts and max_completion_length"
+                    )
                 raise RuntimeError("the rollout worker finished before a single step's samples were ready")
             if nothing_coming:
                 # too few samples to give every process a row, and the allowance holds the worker (a step
@@ -492,6 +521,10 @@ class AsyncGRPOTrainer(Trainer):
         used.update(plan.dropped_oversize)
         self.pending = [sample for i, sample in enumerate(self.pending) if i not in used]
         for sample in stepped:
+            self.ledger.settled(sample, trained=True)
+        for sample in dropped:
+            self.ledger.settled(sample, trained=False)
+        for sample in stepped:
             window.add("sample/time_in_queue_s", now - sample.queued_at)
             window.add("sample/staleness_mean", self.counters.model_version - sample.model_version)
             window.add("sample/staleness_max", self.counters.model_version - sample.model_version)
@@ -518,13 +551,14 @@ class AsyncGRPOTrainer(Trainer):
         if result is None:
             self._finished_worker = self.worker.finished
             return False
-        self._account(result)
         fresh: list[TrainingSample] = []
         stale: list[TrainingSample] = []
         for sample in result.samples:
             sample.token_share = result.num_tokens / len(result.samples)
+            sample.position = result.position
             is_stale = self.counters.model_version - sample.model_version > self.args.max_staleness
             (stale if is_stale else fresh).append(sample)
+        self.ledger.opened(result.position, len(fresh))  # done at once when nothing is left to train
         if stale:
             self.window.add("sample/dropped_stale_count", len(stale))
             self.counters.tokens_consumed += _token_shares(stale)
@@ -532,15 +566,6 @@ class AsyncGRPOTrainer(Trainer):
         self.pending += fresh
         self.window.add("rollout/queue_size", len(self.pending))
         return True
-
-    def _account(self, result: GroupResult) -> None:
-        """A prompt is done (trained on, dropped or filtered): advance the resume position."""
-        counters = self.counters
-        self.trained_positions.add(result.position)
-        while counters.trained_position in self.trained_positions:
-            self.trained_positions.discard(counters.trained_position)
-            counters.trained_position += 1
-        counters.prompts_done += 1
 
     # --- after a step ---------------------------------------------------------------------------------
 
@@ -582,6 +607,9 @@ class AsyncGRPOTrainer(Trainer):
 
     def _done(self) -> bool:
         args: AsyncGRPOConfig = self.args
+        self._stopping = self.processes.any(self._stopping)  # a SIGTERM reached any process
+        if self._stopping:
+            return True
         if args.max_steps > 0:
             return self.state.global_step >= args.max_steps
         if not _sized(self.train_dataset):
@@ -589,6 +617,37 @@ class AsyncGRPOTrainer(Trainer):
         target = math.ceil(args.num_train_epochs * len(self.train_dataset))
         done = self.counters.prompts_done >= target or (self._finished_worker and not self.pending)
         return bool(self.processes.broadcast(done))
+
+    # --- preemption -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _sigterm_stops_the_run(self) -> Iterator[None]:
+        """While training, SIGTERM (what Slurm and Kubernetes send before they kill) asks for a clean stop:
+        the step in progress finishes, a checkpoint is written if checkpoints are configured, then the
+        worker, its sandboxes and the server close as after a normal end. Only from the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum: int, frame: Any) -> None:
+            log.warning("SIGTERM: stopping after the current step (a checkpoint is written if configured)")
+            self._stopping = True
+
+        previous = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _stop_after_sigterm(self) -> None:
+        args: AsyncGRPOConfig = self.args
+        if args.save_strategy == "steps" and self._last_saved_step != self.state.global_step:
+            directory = self.save_checkpoint()
+            log.warning(
+                "stopped by SIGTERM at step %d; checkpoint written to %s", self.state.global_step, directory
+            )
+        else:
+            log.warning("stopped by SIGTERM at step %d", self.state.global_step)
 
     # --- weight sync -----------------------------------------------------------------------------------
 
