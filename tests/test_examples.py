@@ -39,7 +39,8 @@ def run_example(script: str, tmp_path: Path, *flags: str) -> tuple[dict[str, flo
         timeout=600,
         cwd=tmp_path,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    # the head and the end of the log: a worker's failure names its causes at both
+    assert done.returncode == 0, f"{done.stderr[:3000]}\n[...]\n{done.stderr[-5000:]}"
     entries = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in entries] == [1, 2]
     merged = {key: value for entry in entries for key, value in entry.items()}

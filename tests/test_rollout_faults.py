@@ -679,3 +679,23 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
     return [] if isinstance(exc, asyncio.CancelledError) else [exc]
+
+
+def test_a_worker_failure_names_its_root_causes_first_and_last():
+    from harness.rollout.worker import describe_failure
+
+    async def fail() -> None:
+        async def bad(text: str) -> None:
+            raise ValueError(text)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(bad, "the sandbox engine went away")
+            group.start_soon(bad, "and another")
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        anyio.run(fail)
+    text = describe_failure(info.value)
+    first_lines, last_lines = text.splitlines()[:2], text.splitlines()[-2:]
+    expected = ["  caused by ValueError: the sandbox engine went away", "  caused by ValueError: and another"]
+    assert first_lines == expected and last_lines == expected
+    assert "Traceback" in text

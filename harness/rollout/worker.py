@@ -102,9 +102,23 @@ def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerCha
         channels.rollout_buffer.put(_Finished())
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and channels.stop_event.is_set()):
-            channels.exception_info_queue.put("".join(traceback.format_exception(exc)))
+            channels.exception_info_queue.put(describe_failure(exc))
             channels.failed_event.set()
         raise
+
+
+def describe_failure(exc: BaseException) -> str:
+    """The root causes first (the leaves of an exception group, which a task group wraps them in), one
+    line each, then the whole traceback: a log cut to its end still says why."""
+    leaves, pending = [], [exc]
+    while pending:
+        current = pending.pop(0)
+        if isinstance(current, BaseExceptionGroup):
+            pending[:0] = list(current.exceptions)
+        else:
+            leaves.append(current)
+    causes = "\n".join(f"  caused by {type(leaf).__name__}: {leaf}" for leaf in leaves[:5])
+    return f"{causes}\n{''.join(traceback.format_exception(exc))}{causes}"
 
 
 def _exit_with_parent() -> None:
