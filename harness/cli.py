@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="resolve and print the spec; load no model, train nothing"
     )
+    train.add_argument(
+        "--log-level",
+        default="INFO",
+        help="logging level (default: INFO: which server and weight sync a run uses and why, warnings)",
+    )
 
     _add_sandbox_commands(commands)
     add_serve_command(commands)
@@ -185,7 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     import json
+    import logging
 
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from harness.train_config import TrainConfigError, run
 
     try:

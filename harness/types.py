@@ -35,7 +35,7 @@ class TurnRecord:
         output_mask: One value per output token: 1 to train on it, 0 to keep it as context only. None
             trains every output token.
         output_sampling_mask: One list per output token: the token ids the sampler could draw from under
-            top-k / top-p truncation. None means the full vocabulary.
+            top-k / top-p truncation (None for a token whose set is unknown). None means the full vocabulary.
         output_sampler_logprobs: One dict per output token: the sampler's log-probabilities of its most
             likely tokens, keyed by token id (score centering's num_sampler_logprobs).
         finish_reason: Beyond the reference: why the sampler stopped ("stop", "length",
@@ -46,7 +46,7 @@ class TurnRecord:
     output_ids: list[int]
     output_log_probs: list[float] = field(default_factory=list)
     output_mask: list[int] | None = None
-    output_sampling_mask: list[list[int]] | None = None
+    output_sampling_mask: list[list[int] | None] | None = None
     output_sampler_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
 

@@ -46,8 +46,29 @@ def _docker_engine_problem() -> str | None:
     return None
 
 
+def _vllm_problem() -> str | None:
+    """Why the vllm layer cannot run (None when it can): tests/run.sh exports HARNESS_VLLM_PYTHON, the
+    interpreter of the vLLM CPU build's own environment, or HARNESS_VLLM_UNAVAILABLE when this machine
+    cannot run it (not x86-64 with AVX2)."""
+    if os.environ.get("HARNESS_VLLM_UNAVAILABLE"):
+        return os.environ["HARNESS_VLLM_UNAVAILABLE"]
+    python = os.environ.get("HARNESS_VLLM_PYTHON")
+    if not python:
+        return "HARNESS_VLLM_PYTHON is not set (tests/run.sh installs vLLM's CPU build and sets it)"
+    if not os.access(python, os.X_OK):
+        return f"HARNESS_VLLM_PYTHON={python} is not an executable"
+    return None
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Tests marked `docker` skip without an engine, but fail in CI, where tests/run.sh starts one."""
+    """Tests marked `docker` skip without an engine, and tests marked `vllm` without vLLM's CPU build; both
+    fail in CI instead, where tests/run.sh provides them (unless the machine cannot run vLLM at all)."""
+    if item.get_closest_marker("vllm") is not None:
+        problem = _vllm_problem()
+        if problem is not None:
+            if os.environ.get("CI") and not os.environ.get("HARNESS_VLLM_UNAVAILABLE"):
+                pytest.fail(f"the vllm layer cannot run in CI: {problem}", pytrace=False)
+            pytest.skip(f"needs vLLM's CPU build: {problem}")
     if item.get_closest_marker("docker") is None:
         return
     problem = _docker_engine_problem()
@@ -116,3 +137,24 @@ def tiny_qwen3_5() -> PreTrainedModel:
     from harness.testing import build_tiny_qwen3_5
 
     return build_tiny_qwen3_5()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM CPU server for the session (tests/vllm_server.py), serving a tiny random Qwen3 in
+    float32 with LoRA, the NCCL weight-transfer engine and the token route; stopped, with every process of
+    its group, when the session ends."""
+    from vllm_server import build_model_dir, group_members, start_vllm, stop_vllm_process
+
+    problem = _vllm_problem()
+    if problem is not None:
+        pytest.skip(f"needs vLLM's CPU build: {problem}")
+    directory = tmp_path_factory.mktemp("vllm")
+    model_dir = build_model_dir(directory / "model")
+    server = start_vllm(os.environ["HARNESS_VLLM_PYTHON"], model_dir, directory / "vllm.log")
+    try:
+        yield server
+    finally:
+        stop_vllm_process(server.process)
+        left = group_members(server.process)
+        assert not left, f"vLLM processes outlived the session: {left}"

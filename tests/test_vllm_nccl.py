@@ -32,6 +32,7 @@ from harness.weight_sync.vllm_nccl import (
     init_info,
     iter_packed_buckets,
     load_vllm_api,
+    transfer_layout,
     unpack_bucket,
     update_info,
     worker_rank,
@@ -616,13 +617,15 @@ def test_full_sync_against_vllm_serve() -> None:
     address = os.environ.get("VLLM_MASTER_ADDRESS", "127.0.0.1")
     port = int(os.environ.get("VLLM_MASTER_PORT", "29555"))
 
-    async def sync(client: GenerationClient, group: VllmNcclGroup, named: list[tuple[str, Any]]) -> None:
+    async def sync(
+        client: GenerationClient, group: VllmNcclGroup, named: list[tuple[str, Any]], layout: Any
+    ) -> None:
         manifest = WeightManifest.of(named)
         await client.pause("keep")
         await client.start_weight_update()
         sender = threading.Thread(target=group.send, args=(named,), daemon=True)
         sender.start()
-        await client.send_weight_manifest(update_info(manifest))
+        await client.send_weight_manifest(update_info(manifest, layout=layout))
         await anyio.to_thread.run_sync(sender.join)
         await client.finish_weight_update()
         await client.resume()
@@ -633,16 +636,19 @@ def test_full_sync_against_vllm_serve() -> None:
             model_id = (await client.model_info()).id
             model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.bfloat16).cuda()
             named = list(model.named_parameters())
-            group = await VllmNcclGroup.connect_server(client, master_address=address, master_port=port)
+            layout = transfer_layout(await client.server_version())
+            group = await VllmNcclGroup.connect_server(
+                client, master_address=address, master_port=port, layout=layout
+            )
             try:
                 sampling = SamplingConfig(max_tokens=16, temperature=0.0)
                 prompt = [1, 2, 3, 4, 5, 6, 7, 8]
                 before = (await client.generate(prompt, sampling)).output_ids
-                await sync(client, group, named)
+                await sync(client, group, named, layout)
                 assert (await client.generate(prompt, sampling)).output_ids == before
                 with torch.no_grad():
                     model.model.norm.weight.zero_()
-                await sync(client, group, list(model.named_parameters()))
+                await sync(client, group, list(model.named_parameters()), layout)
                 assert (await client.generate(prompt, sampling)).output_ids != before
             finally:
                 group.close()

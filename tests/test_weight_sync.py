@@ -122,7 +122,7 @@ def builtin_info(lora_config: dict[str, int] | None = None, data_parallel: int =
 
 
 def vllm_info(lora_config: dict[str, int] | None = None) -> dict[str, Any]:
-    return {"vllm_config": {"lora_config": lora_config}}
+    return {"vllm_config": {"lora_config": lora_config, "weight_transfer_config": {"backend": "nccl"}}}
 
 
 LOCAL = "http://127.0.0.1:8000"
@@ -176,13 +176,14 @@ def test_an_adapter_on_lm_head_is_refused_at_start():
         AsyncGRPOTrainer(wrapped, train_dataset=dataset, processing_class=build_tiny_tokenizer(), **common)
 
 
-@pytest.fixture
-def fake_vllm_server():
-    """A fake vLLM server (its /server_info), behind the ClientThread the weight sync drives; it records
-    the bodies a vLLM server would get."""
+@pytest.fixture(params=["0.32.0"])
+def fake_vllm_server(request):
+    """A fake vLLM server (its /server_info and /version; the version by indirect parametrisation), behind
+    the ClientThread the weight sync drives; it records the bodies a vLLM server would get."""
     from harness.testing import FakeGenerationServer
 
-    with ClientThread(LOCAL, 30.0, client=FakeGenerationServer(server_info=vllm_info())) as server:
+    fake = FakeGenerationServer(server_info=vllm_info(), version=request.param)
+    with ClientThread(LOCAL, 30.0, client=fake) as server:
         yield server
 
 
@@ -195,9 +196,17 @@ def test_merged_sync_to_vllm_without_vllm_installed_names_the_fix(fake_vllm_serv
     assert fake_vllm_server.client.calls == []  # refused before touching the server
 
 
-def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(fake_vllm_server):
-    """vLLM's classes faked (harness.weight_sync.vllm_nccl takes them), on CPU: the bodies carry only vLLM's
-    keys, and the broadcast bytes are the merged weights in manifest order, bucket by bucket."""
+@pytest.mark.parametrize(
+    ("fake_vllm_server", "packed_in_init"),
+    [("0.26.0", False), ("0.32.0", True)],
+    indirect=["fake_vllm_server"],
+)
+def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(
+    fake_vllm_server, packed_in_init
+):
+    """vLLM's classes faked (harness.weight_sync.vllm_nccl takes them), on CPU: the bodies carry only the
+    keys of the server's version (the packed format's fields in init_info from 0.28, in each update before),
+    and the broadcast bytes are the merged weights in manifest order, bucket by bucket."""
     vllm_nccl = pytest.importorskip("harness.weight_sync.vllm_nccl")
     broadcasts: list[torch.Tensor] = []
 
@@ -218,7 +227,9 @@ def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(fak
     transfer.connect(fake_vllm_server, LOCAL)
     calls = fake_vllm_server.client.calls
     assert [path for path, _ in calls] == ["/init_weight_transfer_engine"]
-    assert set(calls[0][1]["init_info"]) == {"master_address", "master_port", "rank_offset", "world_size"}
+    packing = {"packed", "packed_buffer_size_bytes"}
+    base_init = {"master_address", "master_port", "rank_offset", "world_size"}
+    assert set(calls[0][1]["init_info"]) == (base_init | packing if packed_in_init else base_init)
     assert calls[0][1]["init_info"]["world_size"] == 2
     calls.clear()
     sync = MergedWeightSync(transfer, fake_vllm_server)
@@ -232,7 +243,7 @@ def test_merged_sync_to_vllm_speaks_its_protocol_through_the_vllm_nccl_group(fak
     ]
     assert calls[0][1] == "keep"
     info = calls[2][1]
-    assert set(info) == {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes"}
+    assert set(info) == ({"names", "dtype_names", "shapes"} | (set() if packed_in_init else packing))
     from harness.weight_sync.peft import merged_named_parameters
 
     merged = list(merged_named_parameters(model))
@@ -379,6 +390,109 @@ def test_a_failed_merged_sync_raises_and_leaves_the_server_resumed(tmp_path):
             sync.sync(bad, 1)
         assert not client.call("is_paused")
         assert_generated_by(build_tiny_qwen3(), greedy(client))  # nothing was applied
+
+
+class FailingVllmTransfer:
+    """A transfer to vLLM whose send fails midway (vLLM answered /update_weights with a 500)."""
+
+    kind = "broadcast"
+    keeps_weights_on_failure = False
+
+    def send(self, server: Any, model: Any, weights: Any) -> None:
+        server.call("start_weight_update")
+        raise RuntimeError("500 Invalid update_info for NCCLWeightTransferEngine")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failed_update_to_vllm_leaves_it_paused_and_says_to_restart_it(fake_vllm_server):
+    """Finding 2: vLLM's weights are unusable after an update that failed past /start_weight_update, and
+    resuming it kills its engine at the next request; the sync stops the run instead, naming the fix."""
+    from harness.weight_sync.strategies import WeightSyncError
+
+    sync = MergedWeightSync(FailingVllmTransfer(), fake_vllm_server)
+    with pytest.raises(WeightSyncError, match="restart vLLM") as failed:
+        sync.sync(lora_model(), 1)
+    assert "Invalid update_info" in str(failed.value)
+    routes = [route for route, _ in fake_vllm_server.client.calls]
+    assert routes == ["/pause", "/start_weight_update"]  # never /resume, never /finish_weight_update
+
+
+def test_merged_sync_checks_the_server_before_it_is_paused():
+    """Finding 2's check first: a vLLM without the NCCL engine, or too old, is refused at connect, before
+    anything is paused or sent."""
+    from harness.testing import FakeGenerationServer
+
+    api = types.SimpleNamespace()  # vLLM's classes are never reached
+    no_engine = FakeGenerationServer(server_info={"vllm_config": {}}, version="0.32.0")
+    with ClientThread(LOCAL, 30.0, client=no_engine) as server:
+        with pytest.raises(ValueError, match="--weight-transfer-config"):
+            BroadcastTransfer(vllm_api=api).connect(server, LOCAL)
+        assert no_engine.calls == []
+    old = FakeGenerationServer(server_info=vllm_info(), version="0.20.1")
+    with ClientThread(LOCAL, 30.0, client=old) as server:
+        with pytest.raises(ValueError, match=r"vLLM >= 0\.26"):
+            BroadcastTransfer(vllm_api=api).connect(server, LOCAL)
+        assert old.calls == []
+
+
+def test_a_lora_policy_falling_back_to_merged_sync_warns_and_its_error_names_the_reason(caplog):
+    """Finding 4: --max-loras below max_staleness + 2 turns adapter sync into merged sync; that is a
+    warning (not an INFO line nobody sees), and when merged sync then cannot start (no vLLM on the trainer)
+    its error says why merged sync was chosen."""
+    info = vllm_info({"max_loras": 4, "max_lora_rank": 8})
+    with caplog.at_level(logging.INFO, logger="harness.weight_sync"):
+        plan = plan_weight_sync(lora_model(), info, base_url=LOCAL, max_staleness=4)
+    assert plan.kind == "broadcast" and "--max-loras 6" in plan.reason
+    (record,) = [r for r in caplog.records if "weight sync:" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    if importlib.util.find_spec("vllm") is None:
+        from harness.testing import FakeGenerationServer
+
+        fake = FakeGenerationServer(server_info=info, version="0.32.0")
+        with ClientThread(LOCAL, 30.0, client=fake) as server, pytest.raises(ImportError) as missing:
+            build_weight_sync(
+                plan, server=server, is_main=True, world_size=1, output_dir=".", max_staleness=4
+            )
+        assert "needs vLLM on the trainer too" in str(missing.value) and "--max-loras 6" in str(missing.value)
+
+
+def test_a_404_on_load_lora_adapter_names_the_environment_variable(tmp_path):
+    """Finding 4: vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING answers /v1/load_lora_adapter with 404."""
+    from harness.generation.protocol import ServerRequestError
+    from harness.testing import FakeGenerationServer
+    from harness.weight_sync.strategies import WeightSyncError
+
+    fake = FakeGenerationServer(server_info=vllm_info({"max_loras": 4, "max_lora_rank": 8}))
+
+    async def refuse(body: dict[str, str]) -> None:
+        raise ServerRequestError(404, "Not Found")
+
+    fake.before("load_lora_adapter", refuse)
+    with ClientThread(LOCAL, 30.0, client=fake) as server:
+        sync = AdapterWeightSync(server, tmp_path, window=2)
+        with pytest.raises(WeightSyncError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=1") as refused:
+            sync.sync(lora_model(), 0)
+        assert "--api-server-count 1" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("bf16", "served", "warned"),
+    [(False, "torch.bfloat16", True), (True, "torch.bfloat16", False), (False, "torch.float32", False)],
+)
+def test_a_server_in_another_dtype_than_the_trainer_is_warned_about(tmp_path, bf16, served, warned):
+    """Finding 6: the trainer's dtype (bf16 from the config, else the model's) against the server's."""
+    from harness.training.generation_side import compute_dtype
+    from harness.weight_sync.plan import dtype_mismatch
+
+    args = run_config(tmp_path, bf16=bf16, use_cpu=True)
+    warning = dtype_mismatch(
+        compute_dtype(args, build_tiny_qwen3()), {"vllm_config": {"model_config": {"dtype": served}}}
+    )
+    assert (warning is not None) == warned
+    if warned:
+        assert "bfloat16" in warning and "float32" in warning and "--dtype float32" in warning
 
 
 # --- the trainer --------------------------------------------------------------------------------------------

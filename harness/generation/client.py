@@ -18,6 +18,14 @@ The trainer reaches it through `harness.generation.client_thread.ClientThread`; 
 its single-step calls (`pause`, `start_weight_update`, `send_weight_manifest`, `finish_weight_update`,
 `resume`, the adapter calls), put in order by `harness.weight_sync.strategies`, which also moves the weights.
 
+Routes: generation goes through POST /v1/completions, or vLLM's token-in, token-out route
+POST /inference/v1/generate where that brings what completions cannot: the candidate set of each token
+when top-k, top-p or min-p truncate the distribution (vLLM >= 0.28 with --return-sampling-mask, on the route
+--enable-scale-out opens; the built-in server has it too). Without it the candidate sets are read off the
+top log-probs (processed log-probs mark the masked tokens), asking for at least top_k of them, which shows
+each set whole; `describe_candidate_sets` says at start which applies, and tokens whose set stays unknown
+are counted in `sampling/candidate_set_unknown_count`.
+
 Error policy:
 * Transient failures (connection errors, timeouts, 5xx, a request the server aborted) are retried with
   capped exponential backoff (`max_retries`, `retry_backoff_s` doubling up to `retry_backoff_max_s`) and
@@ -46,6 +54,7 @@ import random
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -59,8 +68,12 @@ from harness.generation.protocol import (
     PauseMode,
     ProtocolMismatchError,
     SamplingConfig,
+    ServerCapabilities,
     ServerRequestError,
     ServerUnavailableError,
+    candidate_sets_from_top_logprobs,
+    completion_top_entries,
+    generate_top_entries,
     parse_top_logprobs,
 )
 from harness.generation.server_load import ServerLoad
@@ -87,6 +100,19 @@ def _error_message(exc: openai.APIStatusError) -> str:
     return exc.message
 
 
+@dataclass
+class _Request:
+    """One generation request, as both routes send it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    model: str
+    seed: int
+    max_tokens: int
+    capped: bool  # max_tokens was cut to fit max_model_len
+    num_logprobs: int = 0  # top log-probs asked of the server (num_logprobs, or top_k to see each set)
+
+
 class _AbortedByServer(Exception):
     """The server finished the request with finish_reason "abort" (a pause in abort mode): retried."""
 
@@ -104,6 +130,10 @@ class GenerationClient:
         retry_backoff_s: First backoff; doubles per retry up to retry_backoff_max_s (with +-25% jitter).
         retry_backoff_max_s: Cap of the backoff.
         api_key: Sent as a bearer token (vLLM's --api-key); "EMPTY" when the server has none.
+        token_route: Which route generates: None (the default) takes vLLM's token route,
+            /inference/v1/generate, when sampling truncates (top-k, top-p, min-p) and the server records
+            candidate sets (--return-sampling-mask; the built-in server), else /v1/completions; True or
+            False force the token route or /v1/completions.
     """
 
     def __init__(
@@ -117,6 +147,7 @@ class GenerationClient:
         retry_backoff_s: float = 0.5,
         retry_backoff_max_s: float = 30.0,
         api_key: str = "EMPTY",
+        token_route: bool | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
@@ -128,13 +159,19 @@ class GenerationClient:
         self.retry_backoff_s = retry_backoff_s
         self.retry_backoff_max_s = retry_backoff_max_s
         self._generation = self._openai(api_key, max_concurrency)
+        self._api_key = api_key
         self._control = self._openai(api_key, _CONTROL_CONNECTIONS)
+        self._retired_pools: list[openai.AsyncOpenAI] = []
         self._model_info: ModelInfo | None = None
         self._model_info_lock = anyio.Lock()
         self._seeds = random.Random(uuid.uuid4().int)
         self._counter_lock = threading.Lock()
         self.num_retries = 0
         self._num_retries_reported = 0
+        self.num_unknown_candidate_sets = 0
+        self.token_route = token_route
+        self._capabilities: ServerCapabilities | None = None
+        self._capabilities_lock = anyio.Lock()
 
     def _openai(self, api_key: str, connections: int) -> openai.AsyncOpenAI:
         # The openai package's own HTTP types (httpx in 2.x, httpx2 in 3.x), taken from its defaults so this
@@ -162,6 +199,9 @@ class GenerationClient:
         """Close both connection pools (idempotent)."""
         await self._generation.close()
         await self._control.close()
+        for pool in self._retired_pools:
+            await pool.close()
+        self._retired_pools.clear()
 
     # ------------------------------------------------------------------ metrics
 
@@ -170,11 +210,17 @@ class GenerationClient:
             self.num_retries += 1
 
     def pop_metrics(self) -> dict[str, float]:
-        """Counters since the previous call: {"rollout/vllm_retry_count": retried requests}."""
+        """Counters since the previous call: retried requests (`rollout/vllm_retry_count`) and generated
+        tokens of a truncated distribution whose candidate set is unknown
+        (`sampling/candidate_set_unknown_count`)."""
         with self._counter_lock:
             retries = self.num_retries - self._num_retries_reported
             self._num_retries_reported = self.num_retries
-        return {"rollout/vllm_retry_count": float(retries)}
+            unknown, self.num_unknown_candidate_sets = self.num_unknown_candidate_sets, 0
+        metrics = {"rollout/vllm_retry_count": float(retries)}
+        if unknown:
+            metrics["sampling/candidate_set_unknown_count"] = float(unknown)
+        return metrics
 
     # ------------------------------------------------------------------ plumbing
 
@@ -196,6 +242,11 @@ class GenerationClient:
         except openai.APIStatusError as exc:
             if exc.status_code < 500:
                 raise ServerRequestError(exc.status_code, _error_message(exc)) from exc
+            # vLLM's server closes the connection after a 500 from an unhandled exception; a pooled
+            # connection would fail the next call with a bare "Connection error": the next calls get a
+            # fresh pool (the old one closes with the client)
+            self._retired_pools.append(self._control)
+            self._control = self._openai(self._api_key, _CONTROL_CONNECTIONS)
             raise ServerUnavailableError(
                 f"{method.upper()} {path}: {exc.status_code} {_error_message(exc)}"
             ) from exc
@@ -264,6 +315,13 @@ class GenerationClient:
 
     # ------------------------------------------------------------------ generation
 
+    async def capabilities(self) -> ServerCapabilities:
+        """What the server can return beyond vLLM's basics (from /server_info, read once)."""
+        async with self._capabilities_lock:
+            if self._capabilities is None:
+                self._capabilities = ServerCapabilities.from_server_info(await self.server_info())
+            return self._capabilities
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -289,41 +347,51 @@ class GenerationClient:
         capped = info.max_model_len is not None and len(prompt_ids) + max_tokens > info.max_model_len
         if info.max_model_len is not None and capped:
             max_tokens = info.max_model_len - len(prompt_ids)
-        request_seed = self._seeds.getrandbits(63) if seed is None else seed
-        extra_body: dict[str, Any] = {
-            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-            "min_p": sampling.min_p,
-            "repetition_penalty": sampling.repetition_penalty,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-        }
-        model_name = model or self.model or info.id
-
-        async def attempt() -> Completion:
-            response = await self._generation.completions.create(
-                model=model_name,
-                prompt=list(prompt_ids),
-                max_tokens=max_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                logprobs=sampling.num_logprobs,
-                seed=request_seed,
-                n=1,
-                extra_body=extra_body,
-            )
-            return self._parse_completion(response, sampling, max_tokens=max_tokens, capped=capped)
-
+        request = _Request(
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            model=model or self.model or info.id,
+            seed=self._seeds.getrandbits(63) if seed is None else seed,
+            max_tokens=max_tokens,
+            capped=capped,
+        )
+        capabilities = await self.capabilities()
+        token_route = self.token_route
+        if token_route is None:  # the token route only where it brings the candidate sets
+            token_route = sampling.truncates and capabilities.returns_sampling_masks
+        request.num_logprobs = sampling.num_logprobs
+        masks_come = token_route and capabilities.returns_sampling_masks
+        if sampling.truncates and not masks_come and sampling.top_k <= capabilities.max_logprobs:
+            request.num_logprobs = max(sampling.num_logprobs, sampling.top_k)  # shows each set whole
+        attempt = self._generate_tokens if token_route else self._generate_completion
         try:
-            return await self._retrying(attempt, "generation request")
+            return await self._retrying(lambda: attempt(request), "generation request")
         except openai.APIStatusError as exc:
             message = _error_message(exc)
             if exc.status_code == 400 and _is_context_length_error(message):
                 return _prompt_too_long(message)
             raise ServerRequestError(exc.status_code, message) from exc
 
-    def _parse_completion(
-        self, response: Any, sampling: SamplingConfig, *, max_tokens: int, capped: bool
-    ) -> Completion:
+    async def _generate_completion(self, request: _Request) -> Completion:
+        """One attempt through POST /v1/completions."""
+        sampling = request.sampling
+        response = await self._generation.completions.create(
+            model=request.model,
+            prompt=request.prompt_ids,
+            max_tokens=request.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            logprobs=request.num_logprobs,
+            seed=request.seed,
+            n=1,
+            extra_body={
+                "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                "min_p": sampling.min_p,
+                "repetition_penalty": sampling.repetition_penalty,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            },
+        )
         if not response.choices:
             raise ProtocolMismatchError("the completion has no choices")
         choice = response.choices[0]
@@ -339,25 +407,153 @@ class GenerationClient:
         if logprobs is None or logprobs.token_logprobs is None:
             raise ProtocolMismatchError("the server returned no logprobs for the generated tokens")
         token_logprobs = [float("nan") if lp is None else float(lp) for lp in logprobs.token_logprobs]
+        entries = completion_top_entries(logprobs.top_logprobs) if request.num_logprobs > 0 else []
+        return self._completion(
+            request,
+            token_ids=token_ids,
+            token_logprobs=token_logprobs,
+            top_entries=entries,
+            finish_reason=choice.finish_reason,
+            stop_reason=extra.get("stop_reason"),
+            sampling_mask=None,
+        )
+
+    async def _generate_tokens(self, request: _Request) -> Completion:
+        """One attempt through vLLM's token-in, token-out route, POST /inference/v1/generate (vLLM >= 0.30
+        with --enable-scale-out; the built-in server too), which also returns each token's candidate set
+        where the server records them (--return-sampling-mask)."""
+        sampling = request.sampling
+        body = {
+            "model": request.model,
+            "token_ids": request.prompt_ids,
+            "sampling_params": {
+                "max_tokens": request.max_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+                "min_p": sampling.min_p,
+                "repetition_penalty": sampling.repetition_penalty,
+                "seed": request.seed,
+                "logprobs": request.num_logprobs,
+                "n": 1,
+                "detokenize": False,
+            },
+            "stream": False,
+        }
+        text = await self._generation.post(f"{self.root_url}/inference/v1/generate", cast_to=str, body=body)
+        try:
+            choice = json.loads(text)["choices"][0]
+            token_ids = choice["token_ids"]
+            content = (choice.get("logprobs") or {})["content"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+            raise ProtocolMismatchError(
+                f"/inference/v1/generate answered without choices[0].token_ids and .logprobs.content: "
+                f"{text[:200]!r}"
+            ) from exc
+        if choice.get("finish_reason") == "abort":
+            raise _AbortedByServer("the server aborted the request")
+        if content is None or token_ids is None:
+            raise ProtocolMismatchError(
+                "the server returned no token ids or logprobs for the generated tokens"
+            )
+        entries = generate_top_entries(content)
+        return self._completion(
+            request,
+            token_ids=token_ids,
+            token_logprobs=[float(position["logprob"]) for position in content],
+            top_entries=entries if request.num_logprobs > 0 else [],
+            finish_reason=choice.get("finish_reason"),
+            stop_reason=choice.get("stop_reason"),
+            sampling_mask=choice.get("sampling_mask"),
+        )
+
+    def _completion(
+        self,
+        request: _Request,
+        *,
+        token_ids: list[int],
+        token_logprobs: list[float],
+        top_entries: list[dict[int, float]],
+        finish_reason: str | None,
+        stop_reason: Any,
+        sampling_mask: Any,
+    ) -> Completion:
+        """What both routes return, checked and made a Completion."""
+        sampling = request.sampling
         if len(token_logprobs) != len(token_ids):
             raise ProtocolMismatchError(f"{len(token_ids)} token ids but {len(token_logprobs)} logprobs")
-        top = None
-        if sampling.num_logprobs > 0:
-            top = parse_top_logprobs(logprobs.top_logprobs, sampling.num_logprobs)
-            if len(top) != len(token_ids):
-                raise ProtocolMismatchError(f"{len(token_ids)} token ids but {len(top)} top_logprobs entries")
-        finish_reason: FinishReason = "stop" if choice.finish_reason == "stop" else "length"
+        if request.num_logprobs > 0 and len(top_entries) != len(token_ids):
+            raise ProtocolMismatchError(
+                f"{len(token_ids)} token ids but {len(top_entries)} top_logprobs entries"
+            )
+        top = parse_top_logprobs(top_entries, sampling.num_logprobs) if sampling.num_logprobs > 0 else None
+        finish: FinishReason = "stop" if finish_reason == "stop" else "length"
         truncation_reason = None
-        if finish_reason == "length":
-            truncation_reason = "max_model_len" if capped and len(token_ids) >= max_tokens else "max_tokens"
-        stop_reason = extra.get("stop_reason")
+        if finish == "length":
+            full = request.capped and len(token_ids) >= request.max_tokens
+            truncation_reason = "max_model_len" if full else "max_tokens"
         return Completion(
             output_ids=[int(t) for t in token_ids],
             output_log_probs=token_logprobs,
             output_sampler_logprobs=top,
-            finish_reason=finish_reason,
+            finish_reason=finish,
             stop_reason=stop_reason if isinstance(stop_reason, int) else None,
             truncation_reason=truncation_reason,
+            output_sampling_mask=self._candidate_sets(sampling, sampling_mask, top_entries, len(token_ids)),
+        )
+
+    def _candidate_sets(
+        self, sampling: SamplingConfig, given: Any, top_entries: list[dict[int, float]], num_tokens: int
+    ) -> list[list[int] | None] | None:
+        """Each generated token's candidate set when sampling truncated the distribution: the server's
+        (`sampling_mask`), else what the top log-probs show of it; tokens whose set stays unknown are
+        counted (`sampling/candidate_set_unknown_count`): the trainer normalises those over the whole
+        vocabulary, which biases their importance ratio."""
+        if not sampling.truncates:
+            return None
+        if isinstance(given, list) and len(given) == num_tokens:
+            sets: list[list[int] | None] = [
+                [int(t) for t in ids] if isinstance(ids, list) else None for ids in given
+            ]
+        else:
+            sets = candidate_sets_from_top_logprobs(top_entries, sampling.top_k)
+            sets += [None] * (num_tokens - len(sets))
+        unknown = sum(ids is None for ids in sets)
+        if unknown:
+            with self._counter_lock:
+                self.num_unknown_candidate_sets += unknown
+        return sets
+
+    async def describe_candidate_sets(self, sampling: SamplingConfig) -> tuple[str, bool]:
+        """Where the candidate sets of a truncated distribution come from on this server, as a sentence for
+        the log, and whether the trainer's importance ratio is biased (some sets stay unknown). Raises
+        ServerRequestError when the server records sets (--return-sampling-mask) but lacks the token route
+        that returns them (--enable-scale-out)."""
+        capabilities = await self.capabilities()
+        if capabilities.returns_sampling_masks and self.token_route is not False:
+            try:
+                await self._request("post", "/inference/v1/generate", body={})
+            except ServerRequestError as exc:
+                if exc.status == 404:
+                    raise ServerRequestError(
+                        404,
+                        "the server records sampling masks (--return-sampling-mask) but has no "
+                        "/inference/v1/generate route to return them: restart vLLM with --enable-scale-out",
+                    ) from exc
+            return "candidate sets: the server's sampling masks (/inference/v1/generate)", False
+        if sampling.top_k <= capabilities.max_logprobs:
+            return (
+                f"candidate sets: read off the top {sampling.top_k} log-probs of each token (exact under "
+                f"top_k={sampling.top_k}; the server returns no sampling masks)",
+                False,
+            )
+        return (
+            f"top_k={sampling.top_k} is above the server's max_logprobs ({capabilities.max_logprobs}) and "
+            "the server returns no sampling masks, so the trainer normalises the sampled tokens over the "
+            "whole vocabulary, a biased importance ratio (counted in sampling/candidate_set_unknown_count): "
+            "lower top_k, raise vLLM's --max-logprobs, or start vLLM >= 0.30 with --return-sampling-mask "
+            "--enable-scale-out",
+            True,
         )
 
     # ------------------------------------------------------------------ load
@@ -395,6 +591,17 @@ class GenerationClient:
                 return {}
             raise
         return info if isinstance(info, dict) else {}
+
+    async def server_version(self) -> str | None:
+        """GET /version (vLLM's and the built-in server's); None when the server has no such route."""
+        try:
+            body = await self._json("get", "/version")
+        except ServerRequestError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        version = body.get("version") if isinstance(body, dict) else None
+        return str(version) if version is not None else None
 
     async def start_weight_update(self) -> None:
         """POST /start_weight_update (one step of a weight sync; see harness/weight_sync/strategies.py)."""

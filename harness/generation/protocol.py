@@ -82,6 +82,12 @@ class SamplingConfig:
         if self.num_logprobs < 0:
             raise ValueError(f"num_logprobs must be non-negative, got {self.num_logprobs}")
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p leave only part of the vocabulary to draw from (then the sampled
+        log-probs are normalised over a candidate set the trainer must know)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -97,6 +103,9 @@ class Completion:
         stop_reason: The stop token id when a stop_token_ids entry ended it (vLLM's stop_reason), else None.
         truncation_reason: Why a truncated turn stopped: "max_tokens", "max_model_len", or the server's
             message for a prompt too long; None when it finished on its own.
+        output_sampling_mask: Per output token, the ids the sampler could draw from when top-k, top-p or
+            min-p truncated its distribution (None for a token whose set is unknown); None when sampling
+            did not truncate. The trainer renormalises its log-probs over these sets.
     """
 
     output_ids: list[int]
@@ -105,6 +114,7 @@ class Completion:
     finish_reason: FinishReason
     stop_reason: int | None = None
     truncation_reason: str | None = None
+    output_sampling_mask: list[list[int] | None] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -117,6 +127,7 @@ class Completion:
             output_ids=list(self.output_ids),
             output_log_probs=list(self.output_log_probs),
             output_sampler_logprobs=self.output_sampler_logprobs,
+            output_sampling_mask=self.output_sampling_mask,
         )
 
 
@@ -128,22 +139,86 @@ class ModelInfo:
     max_model_len: int | None
 
 
-def parse_top_logprobs(entries: list[dict[str, float]] | None, num_logprobs: int) -> list[dict[int, float]]:
-    """vLLM's per-token top_logprobs ({"token_id:<id>": logprob}) as {id: logprob}, num_logprobs most likely.
+@dataclass(frozen=True)
+class ServerCapabilities:
+    """What a server returns beyond the basics, from its /server_info (vLLM's model_config).
+
+    Attributes:
+        returns_sampling_masks: It records each token's candidate set (vLLM >= 0.28 with
+            --return-sampling-mask; the built-in server always) and returns it on /inference/v1/generate.
+        max_logprobs: The most top log-probs a request may ask for (vLLM's --max-logprobs, default 20).
+    """
+
+    returns_sampling_masks: bool = False
+    max_logprobs: int = 20
+
+    @classmethod
+    def from_server_info(cls, info: dict[str, Any]) -> ServerCapabilities:
+        config = (info.get("vllm_config") or {}).get("model_config") or {}
+        max_logprobs = config.get("max_logprobs")
+        return cls(
+            returns_sampling_masks=bool(config.get("return_sampling_mask")),
+            max_logprobs=int(max_logprobs) if isinstance(max_logprobs, int) and max_logprobs >= 0 else 20,
+        )
+
+
+# What vLLM (and the built-in server) write for -inf, which JSON cannot carry: a token the sampler masked.
+MASKED_LOGPROB = -9999.0
+
+
+def completion_top_entries(entries: list[dict[str, float]] | None) -> list[dict[int, float]]:
+    """/v1/completions' per-token top_logprobs ({"token_id:<id>": logprob}) keyed by token id."""
+    return [
+        {parse_token_key(key): float(lp) for key, lp in (entry or {}).items() if lp is not None}
+        for entry in entries or []
+    ]
+
+
+def generate_top_entries(content: list[dict[str, Any]] | None) -> list[dict[int, float]]:
+    """The token route's per-token logprobs.content ([{token_id, logprob, top_logprobs: [...]}]) as one
+    {token id: logprob} per token, the sampled token included."""
+    entries = []
+    for position in content or []:
+        try:
+            pairs = {int(position["token_id"]): float(position["logprob"])}
+            for candidate in position.get("top_logprobs") or []:
+                pairs[int(candidate["token_id"])] = float(candidate["logprob"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolMismatchError(f"a logprobs.content entry is malformed: {position!r:.200}") from exc
+        entries.append(pairs)
+    return entries
+
+
+def parse_top_logprobs(entries: list[dict[int, float]], num_logprobs: int) -> list[dict[int, float]]:
+    """Per token, its num_logprobs most likely {id: logprob}, most likely first.
 
     vLLM lists the sampled token too, even when it is outside the top K; it is dropped here unless it ranks
-    among the K most likely. NaN values are dropped.
+    among the K most likely. NaN values are dropped, and so are masked tokens (MASKED_LOGPROB: outside the
+    candidate set of a truncated distribution).
     """
     parsed = []
-    for entry in entries or []:
-        pairs = []
-        for key, logprob in (entry or {}).items():
-            if logprob is None or math.isnan(logprob):
-                continue
-            pairs.append((parse_token_key(key), float(logprob)))
+    for entry in entries:
+        pairs = [(token, lp) for token, lp in entry.items() if not math.isnan(lp) and lp > MASKED_LOGPROB]
         pairs.sort(key=lambda pair: pair[1], reverse=True)
         parsed.append(dict(pairs[:num_logprobs]))
     return parsed
+
+
+def candidate_sets_from_top_logprobs(entries: list[dict[int, float]], top_k: int) -> list[list[int] | None]:
+    """Each token's candidate set read off its top log-probs, where they show all of it; else None.
+
+    With processed log-probs a truncated distribution gives the masked tokens MASKED_LOGPROB. The listed
+    tokens with a real log-prob are the whole set when the list also shows a masked one (the set ended
+    before the list did), or when top-k caps the set at as many as are listed. Asking for at least top_k
+    log-probs therefore shows every set whole.
+    """
+    sets: list[list[int] | None] = []
+    for entry in entries:
+        kept = [token for token, lp in entry.items() if not math.isnan(lp) and lp > MASKED_LOGPROB]
+        masked = len(entry) - len(kept)
+        complete = masked > 0 or (top_k > 0 and len(kept) >= top_k)
+        sets.append(sorted(kept) if complete and kept else None)
+    return sets
 
 
 def parse_token_key(key: str) -> int:
@@ -182,6 +257,10 @@ class SamplingServer(Protocol):
     def pop_metrics(self) -> dict[str, float]:
         """Counters since the previous call (e.g. rollout/vllm_retry_count)."""
 
+    async def describe_candidate_sets(self, sampling: SamplingConfig) -> tuple[str, bool]:
+        """Where truncated sampling's candidate sets come from (a sentence for the log) and whether some
+        stay unknown (a biased importance ratio); raises when the server is misconfigured for them."""
+
 
 @runtime_checkable
 class ServerControl(Protocol):
@@ -189,6 +268,9 @@ class ServerControl(Protocol):
 
     async def server_info(self) -> dict[str, Any]:
         """The server's configuration (vLLM's /server_info); {} when it has none."""
+
+    async def server_version(self) -> str | None:
+        """The server's version (/version), e.g. "0.32.0"; None when it does not say."""
 
     async def pause(self, mode: PauseMode = "keep") -> None: ...
 
@@ -213,6 +295,7 @@ class ServerControl(Protocol):
 
 
 __all__ = [
+    "MASKED_LOGPROB",
     "Completion",
     "FinishReason",
     "GenerationError",
@@ -221,8 +304,12 @@ __all__ = [
     "ProtocolMismatchError",
     "SamplingConfig",
     "SamplingServer",
+    "ServerCapabilities",
     "ServerControl",
     "ServerRequestError",
     "ServerUnavailableError",
+    "candidate_sets_from_top_logprobs",
+    "completion_top_entries",
+    "generate_top_entries",
     "parse_top_logprobs",
 ]

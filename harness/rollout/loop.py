@@ -289,6 +289,9 @@ class AsyncRolloutLoop:
             )
             await self.client.wait_until_ready()
         self.max_model_len = (await self.client.model_info()).max_model_len
+        if self.sampling.truncates:  # the trainer renormalises over each token's candidate set
+            message, biased = await self.client.describe_candidate_sets(self.sampling)
+            log.log(logging.WARNING if biased else logging.INFO, message)
         self.renderer = ChatRenderer(
             self.tokenizer,
             chat_template_kwargs=_as_dict(config.chat_template_kwargs),

@@ -21,23 +21,70 @@ stop event or on SIGTERM); whatever a SIGKILL leaves, the sandbox reaper removes
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import logging
 import multiprocessing
 import os
 import pickle
 import queue
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from harness.types import GroupResult
 
+WORKER_PROCESS_NAME = "rollout-worker"
+MAIN_GUARD_HINT = (
+    "the worker is a spawned process that re-imports the training script, so the script must start "
+    'training only under `if __name__ == "__main__":` (as the quick start does)'
+)
+
 
 class RolloutWorkerError(RuntimeError):
     """The rollout worker failed, exited or hung; the message carries its traceback or what is known."""
+
+
+def check_main_guard() -> None:
+    """Refuse, before spawning, a training script that calls `.train(...)` at its top level outside an
+    `if __name__ == "__main__":` block: the spawned worker would re-run it and fail (or hang) at start."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py") or not os.path.exists(path):
+        return  # an interactive session, `python -c`, a notebook: nothing for spawn to re-import
+    with contextlib.suppress(OSError, SyntaxError, ValueError):
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.If) and _is_main_test(node.test):
+                continue
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            calls = [
+                n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            ]
+            if any(call.func.attr == "train" for call in calls):  # type: ignore[attr-defined]
+                raise RuntimeError(f"{path}, line {node.lineno}, trains at import time: {MAIN_GUARD_HINT}")
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )
+
+
+def refuse_in_worker_bootstrap() -> None:
+    """Inside the spawned worker while it re-imports the training script: a trainer being built there means
+    the script has no main guard; fail at once, before a model loads (the trainer then says why)."""
+    if multiprocessing.current_process().name == WORKER_PROCESS_NAME:
+        raise RuntimeError(f"a trainer was created inside the rollout worker: {MAIN_GUARD_HINT}")
 
 
 @dataclass
@@ -58,6 +105,7 @@ class WorkerChannels:
     metrics_queue: Any
     stop_event: Any
     held_event: Any
+    entered_event: Any  # set once worker_main runs: the child got past re-importing the training script
 
     @classmethod
     def create(cls, context: Any, token_allowance: int) -> WorkerChannels:
@@ -71,12 +119,21 @@ class WorkerChannels:
             metrics_queue=context.Queue(),
             stop_event=context.Event(),
             held_event=context.Event(),
+            entered_event=context.Event(),
         )
 
 
-def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerChannels) -> None:
-    """The worker process's entry point (module level, so it pickles for spawn)."""
+def worker_main(
+    loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerChannels, log_level: int | None = None
+) -> None:
+    """The worker process's entry point (module level, so it pickles for spawn). `log_level`: the parent's,
+    when it logs somewhere (spawn starts with logging unconfigured)."""
+    channels.entered_event.set()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if log_level is not None:
+        logging.basicConfig(
+            level=log_level, format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+        )
 
     def terminate(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)  # unwind: environments, sandboxes and the client close
@@ -105,6 +162,12 @@ def worker_main(loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerCha
             channels.exception_info_queue.put(describe_failure(exc))
             channels.failed_event.set()
         raise
+
+
+def _parent_log_level() -> int | None:
+    """This process's logging level when its root logger has handlers (it logs somewhere), else None."""
+    root = logging.getLogger()
+    return root.getEffectiveLevel() if root.handlers else None
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -157,14 +220,20 @@ class RolloutWorker:
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        check_main_guard()
         check_picklable(self.loop_cls, self.loop_kwargs)
         self._process = self._context.Process(
             target=worker_main,
-            args=(self.loop_cls, self.loop_kwargs, self.channels),
-            name="rollout-worker",
+            args=(self.loop_cls, self.loop_kwargs, self.channels, _parent_log_level()),
+            name=WORKER_PROCESS_NAME,
             daemon=True,
         )
-        self._process.start()
+        try:
+            self._process.start()
+        except (BrokenPipeError, EOFError) as exc:  # the child died while it re-imported the script
+            raise RolloutWorkerError(
+                f"the rollout worker died while it started ({type(exc).__name__}); {MAIN_GUARD_HINT}"
+            ) from exc
 
     def stop(self, graceful_s: float = 30.0) -> None:
         """Stop the worker: ask, then SIGTERM, then SIGKILL. Idempotent."""
@@ -228,9 +297,12 @@ class RolloutWorker:
                 detail = "(no traceback arrived)"
             raise RolloutWorkerError(f"the rollout worker failed:\n{detail}")
         if self._process is not None and not self._process.is_alive() and not self.finished:
-            raise RolloutWorkerError(
-                f"the rollout worker exited unexpectedly (exit code {self._process.exitcode})"
-            )
+            message = f"the rollout worker exited unexpectedly (exit code {self._process.exitcode})"
+            if not self.channels.entered_event.is_set():  # it died re-importing the training script
+                message += (
+                    f" while it started, before its entry point ran (its error is above): {MAIN_GUARD_HINT}"
+                )
+            raise RolloutWorkerError(message)
         age = time.time() - self.channels.heartbeat_value.value
         if self._process is not None and age > self.heartbeat_timeout_s:
             raise RolloutWorkerError(

@@ -5,7 +5,7 @@ protocol) over HTTP; `harness serve` runs it in the foreground with `serve`; tes
 thread of their own process with `EmbeddedServer`. Routes (shapes in `protocol.py`):
 
     GET  /health /v1/models /metrics /is_paused /server_info /get_world_size /version
-    POST /v1/completions
+    POST /v1/completions /inference/v1/generate
     POST /pause?mode=keep|wait|abort /resume /reset_prefix_cache
     POST /init_weight_transfer_engine /start_weight_update /update_weights /finish_weight_update
     POST /v1/load_lora_adapter /v1/unload_lora_adapter
@@ -41,12 +41,15 @@ from harness.server.engine import EngineClosedError, GenerationOutput
 from harness.server.lora import LoraError
 from harness.server.metrics import render_metrics
 from harness.server.protocol import (
+    CompletionRequest,
     ProtocolError,
     completion_response,
     error_body,
+    generate_response,
     model_card,
     models_response,
     parse_completion_request,
+    parse_generate_request,
 )
 from harness.server.state import ServerConfig, ServerState
 from harness.weight_sync.wire import (
@@ -135,14 +138,8 @@ def build_app(state: ServerState) -> web.Application:
             )
         return web.json_response(models_response(cards))
 
-    async def completions(request: web.Request) -> web.Response:
-        parsed = parse_completion_request(
-            await _json_body(request),
-            max_model_len=state.max_model_len,
-            max_logprobs=state.config.max_logprobs,
-            vocab_size=state.vocab_size,
-            tokenizer=state.tokenizer,
-        )
+    async def generated(parsed: CompletionRequest) -> GenerationOutput:
+        """Run one parsed request on the engine (its adapter, when it names one) and wait for it."""
         adapter = None
         if parsed.model is not None and parsed.model != state.model_name:
             adapter = state.lora.adapters.get(parsed.model)
@@ -168,10 +165,33 @@ def build_app(state: ServerState) -> web.Application:
             raise
         if isinstance(result, BaseException):
             raise result
+        return result
+
+    async def completions(request: web.Request) -> web.Response:
+        parsed = parse_completion_request(
+            await _json_body(request),
+            max_model_len=state.max_model_len,
+            max_logprobs=state.config.max_logprobs,
+            vocab_size=state.vocab_size,
+            tokenizer=state.tokenizer,
+        )
+        result = await generated(parsed)
         body = completion_response(
             parsed, result, model_name=parsed.model or state.model_name, tokenizer=state.tokenizer
         )
         return web.json_response(body)
+
+    async def generate(request: web.Request) -> web.Response:
+        parsed = parse_generate_request(
+            await _json_body(request),
+            max_model_len=state.max_model_len,
+            max_logprobs=state.config.max_logprobs,
+            vocab_size=state.vocab_size,
+        )
+        result = await generated(parsed)
+        return web.json_response(
+            generate_response(parsed, result, model_name=parsed.model or state.model_name)
+        )
 
     async def metrics(request: web.Request) -> web.Response:
         text = render_metrics(
@@ -211,6 +231,7 @@ def build_app(state: ServerState) -> web.Application:
                         "max_model_len": state.max_model_len,
                         "max_logprobs": state.config.max_logprobs,
                         "logprobs_mode": "processed_logprobs",
+                        "return_sampling_mask": True,  # on /inference/v1/generate
                     },
                     "lora_config": lora_config,
                     "parallel_config": {
@@ -347,6 +368,7 @@ def build_app(state: ServerState) -> web.Application:
             web.get("/health", health),
             web.get("/v1/models", models),
             web.post("/v1/completions", completions),
+            web.post("/inference/v1/generate", generate),
             web.get("/metrics", metrics),
             web.post("/pause", pause),
             web.post("/resume", resume),

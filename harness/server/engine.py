@@ -80,6 +80,8 @@ class GenerationOutput:
         logprobs: Processed log-prob of each output token (None when not asked for).
         top_logprobs: Per output token, its (token id, log-prob) top-k, most likely first (None when not
             asked for).
+        sampling_mask: Per output token, the ids it was drawn from (None when not asked for, or when the
+            whole vocabulary was).
         finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len) or "abort".
         stop_reason: The stop token id when a request's stop_token_ids ended it, else None.
     """
@@ -91,6 +93,7 @@ class GenerationOutput:
     top_logprobs: list[list[tuple[int, float]]] | None
     finish_reason: FinishReason
     stop_reason: int | None = None
+    sampling_mask: list[list[int]] | None = None
 
 
 DoneCallback = Callable[[GenerationOutput | BaseException], None]
@@ -126,6 +129,7 @@ class _Request:
     tokens: list[int]
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_candidates: list[list[int]] = field(default_factory=list)
     num_cached: int = 0  # positions whose keys are in the cache row
 
     @property
@@ -584,6 +588,9 @@ class Engine:
             if request.params.num_logprobs is not None:
                 request.output_logprobs.append(sampled.logprobs_B[i])
                 request.output_top.append(sampled.top_B[i])
+            candidates = sampled.candidates_B[i]
+            if candidates is not None:
+                request.output_candidates.append(candidates)
             if self._stop_reason(request, token) is not None:
                 finished_rows.append(row)
         for row in sorted(finished_rows, reverse=True):
@@ -613,6 +620,7 @@ class Engine:
             top_logprobs=request.output_top if wants_logprobs else None,
             finish_reason=reason,
             stop_reason=stop_reason,
+            sampling_mask=request.output_candidates or None,
         )
         request.on_done(output)
 

@@ -11,6 +11,12 @@ tokenizer), `max_tokens` (default 16), `temperature`, `top_p`, `top_k`, `min_p`,
 `seed`, `logprobs` (at most max_logprobs), `stop_token_ids`, `ignore_eos`, `return_token_ids`,
 `return_tokens_as_token_ids`, `n` = 1. Refused with 400: streaming, `echo`, string `stop` sequences,
 `n` > 1, and a prompt whose length plus max_tokens exceeds max_model_len (vLLM's message wording).
+
+What /inference/v1/generate (vLLM's token-in, token-out route) accepts: `token_ids`, `model`, `stream` =
+false and `sampling_params` with the same fields as above; like vLLM, a turn that would run past
+max_model_len stops there (finish_reason "length") instead of being refused. Each choice carries
+`sampling_mask`, the candidate ids of every generated token when top-k, top-p or min-p truncate the
+distribution (what vLLM's --return-sampling-mask records), else null.
 """
 
 from __future__ import annotations
@@ -127,6 +133,22 @@ def parse_completion_request(
             f"({max_tokens} > {max_model_len} - {len(prompt_ids)}).",
             "max_tokens",
         )
+    params = _sampling_params(body, max_tokens, max_logprobs)
+    model = body.get("model")
+    return CompletionRequest(
+        model=model if isinstance(model, str) else None,
+        prompt_ids=prompt_ids,
+        params=params,
+        return_token_ids=bool(body.get("return_token_ids", False)),
+        return_tokens_as_token_ids=bool(body.get("return_tokens_as_token_ids", False)),
+    )
+
+
+def _sampling_params(
+    body: dict[str, Any], max_tokens: int, max_logprobs: int, *, return_sampling_mask: bool = False
+) -> SamplingParams:
+    """The sampling fields both routes share (top level in /v1/completions, `sampling_params` in
+    /inference/v1/generate) as SamplingParams; ProtocolError if invalid."""
     logprobs = body.get("logprobs")
     if logprobs is not None:
         logprobs = _number(body, "logprobs", 0, int)
@@ -153,17 +175,11 @@ def parse_completion_request(
             num_logprobs=logprobs,
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=bool(body.get("ignore_eos", False)),
+            return_sampling_mask=return_sampling_mask,
         )
     except ValueError as exc:
         raise ProtocolError(400, str(exc)) from exc
-    model = body.get("model")
-    return CompletionRequest(
-        model=model if isinstance(model, str) else None,
-        prompt_ids=prompt_ids,
-        params=params,
-        return_token_ids=bool(body.get("return_token_ids", False)),
-        return_tokens_as_token_ids=bool(body.get("return_tokens_as_token_ids", False)),
-    )
+    return params
 
 
 def _prompt_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> list[int]:
@@ -289,3 +305,90 @@ def model_card(
 
 def models_response(cards: list[dict[str, Any]]) -> dict[str, Any]:
     return {"object": "list", "data": cards}
+
+
+def parse_generate_request(
+    body: Any, *, max_model_len: int, max_logprobs: int, vocab_size: int
+) -> CompletionRequest:
+    """Check an /inference/v1/generate body (vLLM's token route); ProtocolError if invalid."""
+    if not isinstance(body, dict):
+        raise ProtocolError(400, "the request body must be a JSON object")
+    if body.get("stream"):
+        raise ProtocolError(400, "stream=true is not supported by the built-in server", "stream")
+    fields = body.get("sampling_params")
+    if not isinstance(fields, dict):
+        raise ProtocolError(400, "sampling_params must be an object", "sampling_params")
+    token_ids = body.get("token_ids")
+    if not isinstance(token_ids, list) or not token_ids:
+        raise ProtocolError(400, "token_ids must be a non-empty list of token ids", "token_ids")
+    prompt_ids = _prompt_ids(token_ids, None, vocab_size)
+    if len(prompt_ids) > max_model_len:
+        raise ProtocolError(
+            400,
+            f"The decoder prompt (length {len(prompt_ids)}) is longer than the maximum model length of "
+            f"{max_model_len}.",
+            "token_ids",
+        )
+    if _number(fields, "n", 1, int) != 1:
+        raise ProtocolError(400, "only n=1 is supported", "n")
+    max_tokens = _number(fields, "max_tokens", 16, int)
+    if max_tokens < 1:
+        raise ProtocolError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if len(prompt_ids) >= max_model_len:
+        raise ProtocolError(400, f"the prompt leaves no room to generate (max_model_len {max_model_len})")
+    max_tokens = min(max_tokens, max_model_len - len(prompt_ids))  # vLLM's route stops at max_model_len
+    model = body.get("model")
+    return CompletionRequest(
+        model=model if isinstance(model, str) else None,
+        prompt_ids=prompt_ids,
+        params=_sampling_params(fields, max_tokens, max_logprobs, return_sampling_mask=True),
+        return_token_ids=True,
+        return_tokens_as_token_ids=True,
+    )
+
+
+def generate_response(
+    request: CompletionRequest, output: GenerationOutput, *, model_name: str
+) -> dict[str, Any]:
+    """The /inference/v1/generate response (output_mode "tokens") for one finished request, as vLLM shapes
+    it: per token its id and log-prob, then the sampled token and the top k in rank order."""
+    content = None
+    if output.logprobs is not None and output.top_logprobs is not None:
+        content = []
+        for token_id, logprob, top in zip(
+            output.output_ids, output.logprobs, output.top_logprobs, strict=True
+        ):
+            listed = {token_id: max(logprob, LOGPROB_FLOOR)}
+            for candidate, candidate_logprob in top:
+                listed.setdefault(candidate, max(candidate_logprob, LOGPROB_FLOOR))
+            content.append(
+                {
+                    "token_id": token_id,
+                    "logprob": listed[token_id],
+                    "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in listed.items()],
+                }
+            )
+    num_prompt, num_output = len(output.prompt_ids), len(output.output_ids)
+    return {
+        "request_id": f"generate-tokens-{uuid.uuid4().hex}",
+        "model": model_name,
+        "created": int(time.time()),
+        "usage": {
+            "prompt_tokens": num_prompt,
+            "total_tokens": num_prompt + num_output,
+            "completion_tokens": num_output,
+            "prompt_tokens_details": None,
+        },
+        "prompt_token_ids": None,
+        "output_mode": "tokens",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": output.finish_reason,
+                "stop_reason": output.stop_reason,
+                "token_ids": output.output_ids,
+                "sampling_mask": output.sampling_mask,
+                "logprobs": {"content": content},
+            }
+        ],
+    }

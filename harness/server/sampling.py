@@ -42,6 +42,8 @@ class SamplingParams:
         num_logprobs: None: no log-probs; 0: the sampled token's; K: also the K most likely per position.
         stop_token_ids: Tokens that end the request (kept in the output), besides the model's EOS.
         ignore_eos: Keep generating past EOS (benchmarks).
+        return_sampling_mask: Also report each token's candidate set when the distribution is truncated
+            (vLLM's --return-sampling-mask, here per request).
     """
 
     max_tokens: int = 16
@@ -54,6 +56,7 @@ class SamplingParams:
     num_logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    return_sampling_mask: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,6 +78,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p leave only part of the vocabulary to draw from."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0
+
 
 class RequestRandom:
     """A request's own stream of uniform draws in [0, 1), reproducible from its seed."""
@@ -95,11 +103,14 @@ class SampledTokens:
         logprobs_B: Its processed log-prob.
         top_B: Per row, the (token id, log-prob) pairs of its num_logprobs most likely tokens, most likely
             first ([] when the row asked for none).
+        candidates_B: Per row that asked for it (`return_sampling_mask`) and whose distribution is truncated
+            (top-k, top-p, min-p), the ids it could have drawn: its candidate set; else None.
     """
 
     token_ids_B: list[int]
     logprobs_B: list[float]
     top_B: list[list[tuple[int, float]]]
+    candidates_B: list[list[int] | None]
 
 
 def process_logits(
@@ -184,4 +195,13 @@ def sample_next_tokens(
         for row, params in enumerate(params_B):
             count = params.num_logprobs or 0
             top_B[row] = list(zip(ids_list[row][:count], values_list[row][:count], strict=True))
-    return SampledTokens(token_ids_B=tokens.tolist(), logprobs_B=token_logprobs.tolist(), top_B=top_B)
+    candidates_B: list[list[int] | None] = [None] * len(params_B)
+    for row, params in enumerate(params_B):
+        if params.return_sampling_mask and params.truncates:
+            candidates_B[row] = torch.isfinite(logprobs_BV[row]).nonzero().squeeze(-1).tolist()
+    return SampledTokens(
+        token_ids_B=tokens.tolist(),
+        logprobs_B=token_logprobs.tolist(),
+        top_B=top_B,
+        candidates_B=candidates_B,
+    )

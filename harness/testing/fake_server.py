@@ -52,6 +52,7 @@ class FakeGenerationServer:
         model_id, max_model_len: What /v1/models would say.
         server_info: What /server_info would say ({"server": "agent-harness ..."} for a built-in server).
         world_size: The server's workers (what /get_world_size says).
+        version: What /version says (None: no such route).
         logprob: The log-prob given to every generated token (and its only top-k entry).
         latency_s: How long each generate call takes (asleep).
     """
@@ -67,6 +68,7 @@ class FakeGenerationServer:
         world_size: int = 1,
         logprob: float = -0.5,
         latency_s: float = 0.0,
+        version: str | None = None,
     ) -> None:
         self.respond = respond
         self.tokenizer = tokenizer
@@ -74,6 +76,7 @@ class FakeGenerationServer:
         self.max_model_len = max_model_len
         self.info = dict(server_info or {})
         self.world_size = world_size
+        self.version = version
         self.logprob = logprob
         self.latency_s = latency_s
         self.generate_calls = 0
@@ -152,10 +155,16 @@ class FakeGenerationServer:
     def pop_metrics(self) -> dict[str, float]:
         return {}
 
+    async def describe_candidate_sets(self, sampling: SamplingConfig) -> tuple[str, bool]:
+        return "candidate sets: whatever the respond function's Completions carry", False
+
     # --- ServerControl ----------------------------------------------------------------------------------
 
     async def server_info(self) -> dict[str, Any]:
         return dict(self.info)
+
+    async def server_version(self) -> str | None:
+        return self.version
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         await self._control("pause", "/pause", mode)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import shutil
 import tempfile
 import urllib.request
@@ -34,8 +35,10 @@ import torch
 from harness.config import AsyncGRPOConfig
 from harness.rollout.worker import RolloutWorker
 from harness.training.processes import Processes
-from harness.weight_sync.plan import build_weight_sync, plan_weight_sync
+from harness.weight_sync.plan import build_weight_sync, dtype_mismatch, plan_weight_sync
 from harness.weight_sync.strategies import WeightSync
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -98,6 +101,15 @@ def saved_model_for_server(model: Any, tokenizer: Any, processes: Processes) -> 
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def compute_dtype(args: AsyncGRPOConfig, model: Any) -> str:
+    """The dtype the trainer computes log-probs in: bf16/fp16 autocast when set, else the weights'."""
+    if args.bf16:
+        return "bfloat16"
+    if args.fp16:
+        return "float16"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def open_weight_sync(
     args: AsyncGRPOConfig,
     processes: Processes,
@@ -111,9 +123,11 @@ def open_weight_sync(
     start the weight-sync strategy, on every rank. The caller closes it."""
     plan = None
     if processes.is_main:
-        plan = plan_weight_sync(
-            model, client.server_info(), base_url=base_url, max_staleness=args.max_staleness
-        )  # logs its choice and why
+        info = client.server_info()
+        plan = plan_weight_sync(model, info, base_url=base_url, max_staleness=args.max_staleness)  # logs why
+        warning = dtype_mismatch(compute_dtype(args, model), info)
+        if warning is not None:
+            log.warning(warning)
     plan = processes.broadcast(plan)
     sync = build_weight_sync(
         plan,

@@ -53,6 +53,7 @@ from harness.generation.client_thread import ClientThread
 from harness.metrics import MetricsWindow
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
 from harness.rollout.loop import AsyncRolloutLoop
+from harness.rollout.worker import check_main_guard, refuse_in_worker_bootstrap
 from harness.training.attention import prepare_model_for_tree_attention
 from harness.training.checkpointing import (
     Checkpointer,
@@ -96,6 +97,7 @@ class AsyncGRPOTrainer(Trainer):
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: Any = None,
     ):
+        refuse_in_worker_bootstrap()  # a training script without a main guard, re-run by the worker
         args = args or AsyncGRPOConfig(output_dir="async-grpo-output")
         model_path = model if isinstance(model, str) else None
         if isinstance(model, str):
@@ -159,6 +161,7 @@ class AsyncGRPOTrainer(Trainer):
     ) -> TrainOutput:
         """Run the whole loop (see the module docstring); returns the Trainer's TrainOutput."""
         args: AsyncGRPOConfig = self.args
+        check_main_guard()  # before anything starts: the spawned worker re-imports the training script
         self._setup_run(resume_from_checkpoint)
         processes, counters = self.processes, self.counters
         with contextlib.ExitStack() as stack:

@@ -78,10 +78,30 @@ def plan_weight_sync(
     base_url: str,
     max_staleness: int,
 ) -> WeightSyncPlan:
-    """Choose how the policy reaches the server (see the module docstring) and log it; rank 0 only."""
+    """Choose how the policy reaches the server (see the module docstring) and log it; rank 0 only. A LoRA
+    policy that falls back to merged weights is a warning: it names what the server needs instead."""
     plan = _plan(model, server_info, base_url=base_url, max_staleness=max_staleness)
-    log.info("weight sync: %s (%s)", plan.kind, plan.reason)
+    falls_back = lora_config_of(model) is not None and plan.kind != "adapter"
+    (log.warning if falls_back else log.info)("weight sync: %s (%s)", plan.kind, plan.reason)
     return plan
+
+
+def dtype_mismatch(trainer_dtype: Any, server_info: dict[str, Any]) -> str | None:
+    """A warning when the server computes in another dtype than the trainer: the log-prob gap between
+    them then grows by orders of magnitude (bf16 against float32: ~1e-2 instead of ~1e-5)."""
+    served = ((server_info.get("vllm_config") or {}).get("model_config") or {}).get("dtype")
+    if not served:
+        return None
+    served_name = str(served).removeprefix("torch.")
+    trained_name = str(trainer_dtype).removeprefix("torch.")
+    if served_name == trained_name:
+        return None
+    return (
+        f"the generation server computes in {served_name}, the trainer in {trained_name}: the sampler's "
+        "log-probs will differ from the trainer's far more than rounding (see "
+        "sampling/sampling_logp_difference/mean); start the server with --dtype "
+        f"{trained_name}, or train in {served_name}"
+    )
 
 
 def _plan(model: Any, server_info: dict[str, Any], *, base_url: str, max_staleness: int) -> WeightSyncPlan:
@@ -148,7 +168,10 @@ def build_weight_sync(
         transfer = BroadcastTransfer(device=device)
         if is_main:
             assert server is not None  # rank 0 has the client
-            transfer.connect(server, base_url)
+            try:
+                transfer.connect(server, base_url)
+            except ImportError as exc:  # no vLLM on the trainer: say why merged sync was chosen at all
+                raise ImportError(f"{exc}. Weight sync is merged because {plan.reason}") from exc
         return MergedWeightSync(transfer, server, is_main=is_main, world_size=world_size)
     raise ValueError(f"unknown weight sync kind {plan.kind!r}")
 

@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
+from harness.generation.protocol import ServerRequestError
+
 if TYPE_CHECKING:
     import torch
 
@@ -47,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LORA_DIR = ".vllm_lora"
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that cannot go on; the message says what to do."""
 
 
 def adapter_name(prefix: str, version: int) -> str:
@@ -122,7 +128,15 @@ class MergedWeightSync(WeightSync):
         paused = time.monotonic()
         try:
             self.transfer.send(self.server, model, weights)
-        except BaseException:
+        except BaseException as exc:
+            if not getattr(self.transfer, "keeps_weights_on_failure", True):
+                # vLLM swapped its weights out at /start_weight_update: resuming would run requests on
+                # them and kill its engine; it stays paused, and the run stops with the fix
+                raise WeightSyncError(
+                    f"the weight update to vLLM failed midway ({type(exc).__name__}: {exc}); its weights are "
+                    "now in an unknown state, so the server was left paused: restart vLLM, then resume the "
+                    "run from its last checkpoint"
+                ) from exc
             with contextlib.suppress(Exception):
                 self.server.call("finish_weight_update")
             with contextlib.suppress(Exception):
@@ -184,7 +198,16 @@ class AdapterWeightSync(WeightSync):
             os.replace(temp, directory)
         finally:
             shutil.rmtree(temp, ignore_errors=True)
-        self.server.call("load_lora_adapter", name, str(directory))
+        try:
+            self.server.call("load_lora_adapter", name, str(directory))
+        except ServerRequestError as exc:
+            if exc.status == 404:
+                raise WeightSyncError(
+                    "the server refused to load a LoRA adapter at run time (404 on /v1/load_lora_adapter): "
+                    "start vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (with --api-server-count 1: vLLM "
+                    "refuses runtime adapters with several API servers)"
+                ) from exc
+            raise
         self.loaded.append((name, directory))
         while len(self.loaded) > self.window:
             old_name, old_directory = self.loaded.popleft()
@@ -222,4 +245,11 @@ def _drain(weights: Iterator[Any]) -> None:
         pass
 
 
-__all__ = ["LORA_DIR", "AdapterWeightSync", "MergedWeightSync", "WeightSync", "adapter_name"]
+__all__ = [
+    "LORA_DIR",
+    "AdapterWeightSync",
+    "MergedWeightSync",
+    "WeightSync",
+    "WeightSyncError",
+    "adapter_name",
+]

@@ -93,9 +93,17 @@ class BroadcastTransfer:
         self.vllm_api = vllm_api
         self.group: Any = None
         self.vllm = False
+        self.layout: Any = None  # a vLLM server's TransferLayout
+
+    @property
+    def keeps_weights_on_failure(self) -> bool:
+        """Whether the server still serves its old weights after a transfer that failed midway: the
+        built-in server checks a manifest before it copies anything; vLLM swaps its weights out at
+        /start_weight_update, so after a failure it must be restarted, never resumed."""
+        return not self.vllm
 
     def connect(self, server: ClientThread, base_url: str) -> None:
-        from harness.weight_sync.vllm_nccl import VllmNcclGroup
+        from harness.weight_sync.vllm_nccl import VllmNcclGroup, load_vllm_api
 
         builtin = str(server.server_info().get("server", "")).startswith("agent-harness")
         address = _address_towards(base_url)
@@ -105,6 +113,8 @@ class BroadcastTransfer:
             self.group = server.run(self._connect_builtin, endpoint, address, port, server.timeout_s)
             return
         self.vllm = True  # VllmUnavailableError (an ImportError naming the fix) when vLLM is not installed
+        api = self.vllm_api if self.vllm_api is not None else load_vllm_api()  # before touching the server
+        self.layout = _vllm_layout(server)
         self.group = server.run(
             VllmNcclGroup.connect_server,
             endpoint,
@@ -112,7 +122,9 @@ class BroadcastTransfer:
             master_port=port,
             device=self.device,
             timeout_s=server.timeout_s,
-            vllm=self.vllm_api,
+            vllm=api,
+            layout=self.layout,
+            buffer_size_bytes=self.buffer_size_bytes,
         )
 
     async def _connect_builtin(
@@ -155,7 +167,7 @@ class BroadcastTransfer:
         if self.vllm:
             from harness.weight_sync.vllm_nccl import update_info
 
-            info = update_info(manifest, self.buffer_size_bytes)  # only keys vLLM accepts
+            info = update_info(manifest, self.buffer_size_bytes, layout=self.layout)  # only keys vLLM takes
         else:
             info = {**manifest.to_update_info(), "packed": True, "buffer_size_bytes": self.buffer_size_bytes}
         server.call("start_weight_update")
@@ -230,6 +242,21 @@ def merged_manifest(model: Any) -> Any:
         dtypes.append(str(parameter.dtype).removeprefix("torch."))
         shapes.append(list(parameter.shape))  # a DTensor's shape is the global one
     return WeightManifest(names, dtypes, shapes)
+
+
+def _vllm_layout(server: ClientThread) -> Any:
+    """A vLLM server's transfer layout, checked before anything is sent: its version, and that it has the
+    NCCL weight-transfer engine at all."""
+    from harness.weight_sync.vllm_nccl import transfer_layout
+
+    config = (server.server_info().get("vllm_config") or {}).get("weight_transfer_config")
+    backend = config.get("backend") if isinstance(config, dict) else None
+    if backend != "nccl":
+        raise ValueError(
+            f"the vLLM server has no NCCL weight-transfer engine (weight_transfer_config: {config!r}): start "
+            'it with --weight-transfer-config \'{"backend": "nccl"}\' for merged weight sync'
+        )
+    return transfer_layout(server.call("server_version"))
 
 
 def is_local_url(url: str) -> bool:

@@ -11,13 +11,16 @@ as rank `dp_rank * (TP * PP) + rank_in_dp + rank_offset` (`worker_rank`), so the
 Protocol, as vLLM's worker side reads it (vllm/distributed/weight_transfer/nccl_engine.py and
 packed_tensor.py in vllm-project/vllm):
 
-* /init_weight_transfer_engine takes `{"init_info": init_info(...)}`: exactly master_address,
-  master_port, rank_offset, world_size (vLLM builds a dataclass from the dict and rejects unknown keys).
+* /init_weight_transfer_engine takes `{"init_info": init_info(...)}`: master_address, master_port,
+  rank_offset, world_size, and from vLLM 0.28 on the packed format's fields (packed, its buffer size),
+  which older versions carry in each update instead (`TransferLayout`, chosen from the server's /version;
+  vLLM builds a dataclass from the dict and rejects unknown keys).
   The HTTP call returns once every worker has joined, and the trainer's rendezvous returns once they
   have, so the two must run at the same time: `VllmNcclGroup.connect_server` runs the rendezvous on a
   background thread and the HTTP call on the caller's task, under one time limit.
-* /update_weights takes `{"update_info": update_info(manifest)}`: names, dtype_names (no "torch."),
-  global shapes, `packed: true`; while it is in flight the trainer calls `send`. The packed stream is a
+* /update_weights takes `{"update_info": update_info(manifest, layout)}`: names, dtype_names (no
+  "torch."), global shapes (before 0.28 also `packed: true`); while it is in flight the trainer calls
+  `send`. The packed stream is a
   sequence of uint8 buckets: the manifest's tensors in order, each flattened to bytes and appended to the
   current bucket, which closes once its size exceeds the buffer size (default 1 GiB), so a bucket can
   exceed it by one tensor. This is `plan_buckets`; the receiver derives the same buckets from the
@@ -118,32 +121,85 @@ def worker_rank(dp_rank: int, rank_in_dp: int, world_size_per_dp: int, rank_offs
     return dp_rank * world_size_per_dp + rank_in_dp + rank_offset
 
 
+@dataclass(frozen=True)
+class TransferLayout:
+    """Where a vLLM version reads the packed format's fields (packed, packed_buffer_size_bytes) of its NCCL
+    weight transfer: in each /update_weights (before 0.28), or once in /init_weight_transfer_engine (0.28
+    on, whose workers default to unpacked). Sending them where the server does not expect them is a 500
+    after /start_weight_update, which leaves vLLM's weights unusable."""
+
+    version: str
+    packed_in_init: bool
+
+
+MIN_VLLM_VERSION = (0, 26)
+
+
+def transfer_layout(version: str | None) -> TransferLayout:
+    """The layout of a vLLM server's version (its /version); an error naming the fix for others."""
+    numbers = _version_numbers(version)
+    if numbers is None or numbers < MIN_VLLM_VERSION:
+        raise ValueError(
+            f"merged weight sync to vLLM needs vLLM >= {'.'.join(map(str, MIN_VLLM_VERSION))} (its NCCL "
+            f"weight-transfer engine); the server reports version {version!r}. Upgrade vLLM, or train a "
+            "LoRA adapter and start vLLM with --enable-lora for adapter sync"
+        )
+    return TransferLayout(str(version), packed_in_init=numbers >= (0, 28))
+
+
+def _version_numbers(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts = []
+    for part in str(version).split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            return None
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 def init_info(
-    master_address: str, master_port: int, world_size: int, rank_offset: int = RANK_OFFSET
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank_offset: int = RANK_OFFSET,
+    *,
+    layout: TransferLayout | None = None,
+    buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
 ) -> dict[str, Any]:
-    """The body's `init_info` for /init_weight_transfer_engine: exactly the keys vLLM's NCCL engine takes."""
-    return {
+    """The body's `init_info` for /init_weight_transfer_engine: exactly the keys vLLM's NCCL engine takes
+    (with `layout.packed_in_init`, the packed format's too)."""
+    info: dict[str, Any] = {
         "master_address": master_address,
         "master_port": int(master_port),
         "rank_offset": int(rank_offset),
         "world_size": int(world_size),
     }
+    if layout is not None and layout.packed_in_init:
+        info.update(packed=True, packed_buffer_size_bytes=int(buffer_size_bytes))
+    return info
 
 
 def update_info(
-    manifest: WeightManifest, buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
+    manifest: WeightManifest,
+    buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+    *,
+    layout: TransferLayout | None = None,
 ) -> dict[str, Any]:
     """The body's `update_info` for /update_weights for a packed NCCL send of `manifest`.
 
-    The default buffer size is left implicit, which every vLLM version with the packed format reads;
-    another size is announced as `packed_buffer_size_bytes` (newer vLLM only; older ones reject it, which
-    is better than unpacking with the wrong boundaries). Raises WeightTransferError for a manifest vLLM's
-    receiver cannot unpack (`check_vllm_layout`).
+    Before vLLM 0.28 (`layout.packed_in_init` false, or no layout) it says `packed: true`; the default
+    buffer size is left implicit, another is announced as `packed_buffer_size_bytes`. Raises
+    WeightTransferError for a manifest vLLM's receiver cannot unpack (`check_vllm_layout`), before anything
+    is sent.
     """
     check_vllm_layout(manifest, buffer_size_bytes)
-    info: dict[str, Any] = {**manifest.to_update_info(), "packed": True}
-    if buffer_size_bytes != DEFAULT_BUFFER_SIZE_BYTES:
-        info["packed_buffer_size_bytes"] = int(buffer_size_bytes)
+    info: dict[str, Any] = manifest.to_update_info()
+    if layout is None or not layout.packed_in_init:
+        info["packed"] = True
+        if buffer_size_bytes != DEFAULT_BUFFER_SIZE_BYTES:
+            info["packed_buffer_size_bytes"] = int(buffer_size_bytes)
     return info
 
 
@@ -409,6 +465,8 @@ class VllmNcclGroup:
         timeout_s: float = 300.0,
         vllm: VllmNcclApi | None = None,
         poll_interval_s: float = 0.02,
+        layout: TransferLayout | None = None,
+        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
     ) -> VllmNcclGroup:
         """GET /get_world_size, then the rendezvous (a thread) and /init_weight_transfer_engine together.
 
@@ -420,7 +478,9 @@ class VllmNcclGroup:
 
         api = vllm if vllm is not None else load_vllm_api()  # fail before touching the server
         world_size = group_world_size(await server.get_world_size())
-        body = init_info(master_address, master_port, world_size)
+        body = init_info(
+            master_address, master_port, world_size, layout=layout, buffer_size_bytes=buffer_size_bytes
+        )
         outcome: dict[str, Any] = {}
         finished = threading.Event()
 
