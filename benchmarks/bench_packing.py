@@ -2,6 +2,8 @@
 
 Run (H200, the figures in the docs):   PYTHONPATH=. python benchmarks/bench_packing.py --out bench.json
 Run (CPU smoke test, tiny shapes):     PYTHONPATH=. python benchmarks/bench_packing.py --preset tiny
+Length sweep (H200):                   PYTHONPATH=. python benchmarks/bench_packing.py --sweep --out s.json
+Length sweep (CPU smoke test):         PYTHONPATH=. python benchmarks/bench_packing.py --sweep --preset tiny
 
 Workload: a random model shaped like Qwen3-1.7B (hidden 2048, 28 layers, 16 query / 8 KV heads of dim 128,
 vocabulary 151936, tied embeddings, bf16, gradient checkpointing) trains on `--groups` groups of
@@ -20,12 +22,23 @@ token, in one pass) -> backward. Reported:
 * peak GPU memory of each step;
 * the log-prob head alone at `--head-tokens` tokens: chunked (modular and fused) against materialised
   logits (log_softmax over [tokens, vocabulary] in float32), peak memory above the inputs, and time.
+
+`--sweep` measures rows of about 4k, 8k, 16k and 32k unique tokens instead (a group of 8 completions after a
+1k, 2k, 4k or 8k-token prompt, each row one micro-batch), and a 16k row of multi-turn rollouts whose second
+turn re-rendered the end of the first (they fork). Each workload runs three ways on the same samples with the
+same fused head: (a) tree-packed (the default attention backend: varlen in bf16), (b) our unpacked
+padding-free row, (c) a plain transformers model with its stock SDPA attention on the samples as a padded
+batch, the head applied to its hidden states at the same tokens. For each: the first call (compilation
+included), the steady step (median), trained and forwarded tokens/s, MFU and peak memory; at 4k also (a)
+with the flex backend, and at 16k (a) with the modular head.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import platform
 import statistics
 import sys
@@ -109,7 +122,8 @@ def make_samples(args: argparse.Namespace, vocab: int) -> list[TrainingSample]:
             completion = torch.randint(0, vocab, (args.completion_tokens,), generator=generator).tolist()
             ids = prompt + completion
             n, m = len(ids), len(completion)
-            old = (-torch.rand(m, generator=generator) * 2).tolist()
+            # near a random model's log-probs (about -log V), so most tokens pass the importance-ratio mask
+            old = (-math.log(vocab) - torch.rand(m, generator=generator) * 0.2).tolist()
             topk = []
             for token in completion:  # the sampled token and 7 others, as num_sampler_logprobs=8 returns
                 others = torch.randint(0, vocab, (7,), generator=generator).tolist()
@@ -319,6 +333,233 @@ def measure_head(
     return result
 
 
+SWEEP_LENGTHS = {4096: 1024, 8192: 2048, 16384: 4096, 32768: 8192}  # row length: prompt length
+
+
+def sweep_samples(prompt_tokens: int, completion_tokens: int, vocab: int, seed: int) -> list[TrainingSample]:
+    """One group of 8 completions after one prompt, as make_samples builds them."""
+    args = argparse.Namespace(
+        groups=1, group_size=8, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+    )
+    torch.manual_seed(seed)
+    return make_samples(args, vocab)
+
+
+def forking_samples(row_tokens: int, vocab: int) -> list[TrainingSample]:
+    """8 two-turn rollouts of one prompt; each gives two samples: its first turn as sampled, and its second
+    turn after a history whose last tokens (16 in a 16k row) were re-rendered differently (a fork there)."""
+    generator = torch.Generator().manual_seed(1)
+    prompt_len, first, tool = row_tokens // 4, row_tokens // 32, row_tokens // 64
+    rerendered = max(2, row_tokens // 1024)
+    second = (row_tokens - prompt_len) // 8 - first - tool - rerendered
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=generator).tolist()
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    def trained(context: list[int], completions: list[tuple[int, int]]) -> TrainingSample:
+        n = len(context)
+        mask = [0] * n
+        for start, end in completions:
+            mask[start:end] = [1] * (end - start)
+        old = [-math.log(vocab) if m else 0.0 for m in mask]
+        sequence = TrainingSequence(context, mask, old, [None] * n, [None] * n)
+        return TrainingSample(
+            sequence=sequence, advantage=float(torch.randn(1, generator=generator)), group_id=0
+        )
+
+    samples = []
+    for _ in range(8):
+        turn1 = ids(first)
+        history = prompt + turn1[:-rerendered] + ids(rerendered) + ids(tool)
+        turn2 = ids(second)
+        samples.append(trained(prompt + turn1, [(prompt_len, prompt_len + first)]))
+        samples.append(trained(history + turn2, [(len(history), len(history) + second)]))
+    return samples
+
+
+def plain_step(
+    model: torch.nn.Module, row: PackedRow, samples: list[TrainingSample], config: LossConfig, chunk: int
+) -> float:
+    """(c): the stock model (SDPA) on the samples as one padded batch; the same fused head on its hidden
+    states, laid out as the unpacked row (each sample's tokens in turn)."""
+    device = row.input_ids.device
+    lengths = [len(s.sequence.input_ids) for s in samples]
+    batch = torch.zeros(len(samples), max(lengths), dtype=torch.long, device=device)
+    attention = torch.zeros_like(batch)
+    for b, sample in enumerate(samples):
+        batch[b, : lengths[b]] = torch.tensor(sample.sequence.input_ids, device=device)
+        attention[b, : lengths[b]] = 1
+    hidden = model.get_decoder()(input_ids=batch, attention_mask=attention, use_cache=False).last_hidden_state
+    hidden_T_H = torch.cat([hidden[b, : lengths[b]] for b in range(len(samples))])
+    out = fused_policy_loss(
+        hidden_T_H, row, model.get_output_embeddings().weight, config,
+        num_trained_tokens_global=row.num_trained, chunk_size=chunk,
+    )  # fmt: skip
+    out.loss.backward()
+    return float(out.loss.detach())
+
+
+def measure_way(
+    name: str, step: Any, flops: float, tokens: tuple[int, int], device: torch.device, iters: int
+) -> dict[str, Any]:
+    """First call (compilation included), then the median of `iters` steady calls of `step()`."""
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    loss = step()
+    synchronize(device)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        start = time.perf_counter()
+        loss = step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    forwarded, trained = tokens
+    result = {
+        "first_call_s": first,
+        "step_s": step_s,
+        "step_s_all": times,
+        "trained_tokens_per_s": trained / step_s,
+        "forwarded_tokens_per_s": forwarded / step_s,
+        "mfu": flops / step_s / PEAK_BF16_FLOPS,
+        "loss": loss,
+    }
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    print(
+        f"    {name:14s} first {first:7.2f} s  step {step_s * 1e3:8.1f} ms  "
+        f"{trained / step_s:9.0f} trained tok/s  MFU {result['mfu'] * 100:5.1f}%"
+        + (f"  peak {result['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in result else ""),
+        flush=True,
+    )
+    return result
+
+
+def run_sweep(
+    args: argparse.Namespace, shape: Shape, device: torch.device, dtype: torch.dtype, save: Any
+) -> dict[str, Any]:
+    from harness.training.attention import ATTENTION_NAME
+
+    model = prepare_model_for_tree_attention(build_model(shape, device, dtype))
+    model.train()
+    if not args.no_gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LossConfig()
+    scale = 1 if device.type == "cuda" else 64  # CPU smoke test: the same shapes, 64 times shorter
+    workloads = []
+    for length, prompt in SWEEP_LENGTHS.items():
+        if args.sweep_max_tokens and length > args.sweep_max_tokens:
+            continue
+        samples = sweep_samples(prompt // scale, (length - prompt) // 8 // scale, shape.vocab, seed=length)
+        workloads.append((f"{length // 1024}k", samples, length == 4096, length == 16384))
+    if not args.sweep_max_tokens or args.sweep_max_tokens >= 16384:
+        workloads.append(("16k-multiturn", forking_samples(16384 // scale, shape.vocab), False, False))
+    results: dict[str, Any] = {}
+    if args.sweep_lengths:
+        keep = set(args.sweep_lengths.split(","))
+        workloads = [w for w in workloads if w[0] in keep]
+    for name, samples, with_flex, with_modular in workloads:
+        tree = pack_row(samples).to(device)
+        flat = pack_row(samples, share_prefixes=False).to(device)
+        entry: dict[str, Any] = {
+            "samples": len(samples),
+            "tree_tokens": tree.num_tokens,
+            "unpacked_tokens": flat.num_tokens,
+            "trained_tokens": tree.num_trained,
+            "packing_ratio": flat.num_tokens / tree.num_tokens,
+        }
+        print(
+            f"  {name}: {len(samples)} samples, {tree.num_tokens} tree tokens, {flat.num_tokens} unpacked "
+            f"(packing ratio {entry['packing_ratio']:.2f}) ({_clock()})",
+            flush=True,
+        )
+        chunk = args.chunk_size
+        ways: list[tuple[str, Any, PackedRow]] = [
+            ("a_tree", functools.partial(run_step, model, [tree], config, chunk, True), tree),
+            ("b_unpacked", functools.partial(run_step, model, [flat], config, chunk, True), flat),
+        ]
+        if with_flex and device.type == "cuda":
+            ways.append(
+                ("a_tree_flex", functools.partial(_with_backend, model, tree, config, chunk, "flex"), tree)
+            )
+        if with_modular:
+            ways.append(
+                (
+                    "a_tree_modular_head",
+                    functools.partial(run_step, model, [tree], config, chunk, False),
+                    tree,
+                )
+            )
+        for way, step, row in ways:
+            tokens = (row.num_tokens, row.num_trained)
+            entry[way] = measure_way(way, step, model_flops([row], shape), tokens, device, args.iters)
+            model.zero_grad(set_to_none=True)
+        model.set_attn_implementation("sdpa")
+        try:
+            plain = functools.partial(plain_step, model, flat, samples, config, chunk)
+            tokens = (flat.num_tokens, flat.num_trained)
+            entry["c_plain_sdpa"] = measure_way(
+                "c_plain_sdpa", plain, model_flops([flat], shape), tokens, device, args.iters
+            )
+        except torch.OutOfMemoryError:
+            entry["c_plain_sdpa"] = {"error": "out of memory"}
+        finally:
+            model.set_attn_implementation(ATTENTION_NAME)
+            model.zero_grad(set_to_none=True)
+        if args.profile and name == args.profile:
+            model.set_attn_implementation("sdpa")
+            profile("c_plain_sdpa", functools.partial(plain_step, model, flat, samples, config, chunk))
+            model.set_attn_implementation(ATTENTION_NAME)
+            profile("a_tree", functools.partial(run_step, model, [tree], config, chunk, True))
+            model.zero_grad(set_to_none=True)
+        plain = entry["c_plain_sdpa"].get("step_s")
+        if plain:
+            entry["tree_speedup_over_plain"] = plain / entry["a_tree"]["step_s"]
+            entry["speedup_over_packing_ratio"] = entry["tree_speedup_over_plain"] / entry["packing_ratio"]
+            print(
+                f"    tree {entry['tree_speedup_over_plain']:.2f}x faster than plain at packing ratio "
+                f"{entry['packing_ratio']:.2f} ({entry['speedup_over_packing_ratio']:.2f} of it; bar 0.90)",
+                flush=True,
+            )
+        results[name] = entry
+        save(results)  # after every workload: a run cut short keeps what it measured
+    return results
+
+
+def profile(name: str, step: Any) -> None:
+    """Print the CUDA kernels that take the most time in one step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = torch.cuda.is_available()
+    step()  # warm
+    with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+    print(f"  profile of {name}:")
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60))
+
+
+def _with_backend(
+    model: torch.nn.Module, row: PackedRow, config: LossConfig, chunk: int, backend: str
+) -> float:
+    weight = model.get_output_embeddings().weight
+    hidden = packed_forward(model, row, backend=backend)  # type: ignore[arg-type]
+    out = fused_policy_loss(
+        hidden, row, weight, config, num_trained_tokens_global=row.num_trained, chunk_size=chunk
+    )
+    out.loss.backward()
+    return float(out.loss.detach())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-1.7b")
@@ -336,6 +577,10 @@ def main() -> None:
     parser.add_argument(
         "--skip-modular", action="store_true", help="skip timing the packed step's modular head"
     )
+    parser.add_argument("--sweep", action="store_true", help="the length sweep (see the module docstring)")
+    parser.add_argument("--sweep-max-tokens", type=int, default=0, help="leave out longer sweep rows")
+    parser.add_argument("--sweep-lengths", default="", help="only these sweep workloads (e.g. 16k,32k)")
+    parser.add_argument("--profile", default="", help="profile one step of (a) and (c) at this workload")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
     if args.preset == "tiny" and args.prompt_tokens == 1024:  # keep the CPU smoke test quick
@@ -359,6 +604,14 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
 
+    if args.sweep:
+
+        def save_sweep(sweep: dict[str, Any]) -> None:
+            results["sweep"] = sweep
+            save()
+
+        run_sweep(args, shape, device, dtype, save_sweep)
+        return
     if not args.skip_head:
         results["head"] = measure_head(args, shape, device, dtype)
         save()

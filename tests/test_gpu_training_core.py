@@ -54,7 +54,8 @@ def packed_logprobs(model, backend="flex"):
     return row_logprobs(hidden, row, model.get_output_embeddings().weight).logprobs
 
 
-@pytest.mark.parametrize(
+# Every family tree attention supports, a sliding-window one among them.
+FAMILIES = pytest.mark.parametrize(
     ("build", "overrides"),
     [
         (build_tiny_qwen3, {}),
@@ -62,7 +63,11 @@ def packed_logprobs(model, backend="flex"):
         (build_tiny_llama, {}),
         (build_tiny_qwen3_5, {}),
     ],
+    ids=["qwen3", "qwen3-sliding-window", "llama", "qwen3.5-hybrid"],
 )
+
+
+@FAMILIES
 def test_flex_tree_attention_equals_unpacked_forwards(build, overrides):
     reference = build(**overrides).to(CUDA)
     model = prepare_model_for_tree_attention(build(**overrides).to(CUDA))
@@ -209,3 +214,54 @@ def test_a_first_flex_row_shorter_than_a_block_compiles_forward_and_backward(len
     script = FIRST_SHORT_ROW.format(length=length)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@FAMILIES
+def test_varlen_tree_attention_in_bf16_matches_the_dense_mask(build, overrides):
+    """FlashAttention's variable-length kernel over the trie's segments (bf16 autocast, as the trainer runs)
+    against float32 dense-mask attention on the same model: its log-prob and gradient errors are those of
+    bf16, no larger than the dense-mask path's own in bf16."""
+    model = prepare_model_for_tree_attention(build(**overrides).to(CUDA))
+    results = {}
+    for backend, dtype in (("sdpa", None), ("varlen", torch.bfloat16), ("sdpa-bf16", torch.bfloat16)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            logprobs = packed_logprobs(model, backend.removesuffix("-bf16"))
+        logprobs.float().sum().backward()
+        results[backend] = (logprobs.detach().float(), [p.grad.float().clone() for p in model.parameters()])
+    reference, reference_grads = results["sdpa"]
+
+    def errors(name: str) -> tuple[float, float]:
+        logprobs, grads = results[name]
+        grad_error = max(
+            ((g - r).norm() / (r.norm() + 1e-12)).item() for g, r in zip(grads, reference_grads, strict=True)
+        )
+        return (logprobs - reference).abs().max().item(), grad_error
+
+    (varlen_lp, varlen_grad), (dense_lp, dense_grad) = errors("varlen"), errors("sdpa-bf16")
+    print(
+        f"bf16 errors against float32 (log-prob / gradient): varlen {varlen_lp:.2e} / {varlen_grad:.2e}, "
+        f"dense {dense_lp:.2e} / {dense_grad:.2e}"
+    )
+    assert varlen_lp <= 2 * dense_lp + 1e-3 and varlen_grad <= 2 * dense_grad + 1e-3
+
+
+def test_varlen_runs_new_row_lengths_without_compiling():
+    """Rows of new lengths, each as close to float32 dense attention as bf16 allows; dynamo never runs."""
+    import torch._dynamo
+
+    model = prepare_model_for_tree_attention(build_tiny_qwen3().to(CUDA))
+    torch._dynamo.reset()
+    for length in (40, 333, 1500):
+        samples = [sample(list(range(10, 10 + length)), [20 + j, 21, 22, 23]) for j in range(4)]
+        row = pack_row(samples).to(CUDA)
+        weight = model.get_output_embeddings().weight
+        with torch.no_grad():
+            reference = row_logprobs(packed_forward(model, row, backend="sdpa"), row, weight).logprobs
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                varlen = row_logprobs(packed_forward(model, row, backend="varlen"), row, weight).logprobs
+                dense = row_logprobs(packed_forward(model, row, backend="sdpa"), row, weight).logprobs
+        varlen_error = (varlen.float() - reference).abs().max().item()
+        dense_error = (dense.float() - reference).abs().max().item()
+        assert varlen_error <= 2 * dense_error + 1e-3, (length, varlen_error, dense_error)
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 0

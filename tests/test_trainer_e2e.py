@@ -107,6 +107,7 @@ def test_reward_functions_sync_async_and_tools(tmp_path, tiny_model_dir):
         "sample/staleness_max",
         "completions/mean_length",
         "perf/weight_sync_s",
+        "perf/warmup_s",
         "rollout/generated_tokens_per_s",
         "num_tokens",
     ):

@@ -204,3 +204,50 @@ def test_calls_without_a_tree_are_refused():
     prepare_model_for_tree_attention(model)
     with pytest.raises(TreeAttentionError, match="without a tree_mask"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+# --- the varlen backend: segments as variable-length sequences -------------------------------------------
+
+
+def test_the_varlen_plan_gathers_each_segments_path():
+    """The spec example: the prompt, then each completion with the prompt's keys gathered before its own."""
+    a, b = sample([11, 12, 13], [21, 22]), sample([11, 12, 13], [31, 32])
+    plan = TreeMask.from_row(pack_row([a, b])).varlen_plan()
+    assert plan.cu_q.tolist() == [0, 3, 5, 7]
+    assert plan.cu_k.tolist() == [0, 3, 8, 13]
+    assert plan.key_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6]
+    assert (plan.max_q, plan.max_k) == (3, 5)
+
+
+def test_the_varlen_plan_equals_the_dense_mask_on_a_forked_row():
+    """Every segment's gathered keys, with bottom-right causal alignment, are exactly the dense mask's row."""
+    tree = TreeMask.from_row(pack_row(ROWS))
+    plan, dense = tree.varlen_plan(), tree.dense_mask()
+    cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
+    for s in range(len(cu_q) - 1):
+        keys = plan.key_index[cu_k[s] : cu_k[s + 1]]
+        for i, query in enumerate(range(cu_q[s], cu_q[s + 1])):
+            visible = keys[: len(keys) - (cu_q[s + 1] - cu_q[s]) + i + 1]
+            assert sorted(visible.tolist()) == dense[query].nonzero().squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("build", "overrides"),
+    [
+        (build_tiny_qwen3, {}),
+        (build_tiny_llama, {}),
+        (build_tiny_qwen3, {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
+        (build_tiny_qwen3_5, {}),
+    ],
+    ids=["qwen3", "llama", "qwen3-sliding-window", "qwen3.5-hybrid"],
+)
+def test_varlen_backend_packed_equals_unpacked(build, overrides):
+    """On CPU the varlen plan runs segment by segment through SDPA: the same exactness as the dense mask."""
+    reference = build(**overrides)
+    packed = prepare_model_for_tree_attention(build(**overrides))
+    with torch.no_grad():
+        expected = unpacked_logprobs(reference, ROWS)
+        row = pack_row(ROWS)
+        hidden = packed_forward(packed, row, backend="varlen")
+        got = row_logprobs(hidden, row, packed.get_output_embeddings().weight, chunk_size=5).logprobs
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

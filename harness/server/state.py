@@ -101,14 +101,15 @@ class ServerState:
     def load(cls, config: ServerConfig) -> ServerState:
         """Load `config.model` from disk onto its device and start the engine."""
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from harness.model_loading import load_model
 
         device = resolve_device(config.device)
         if config.dtype == "auto":
             dtype: Any = "auto" if device.type == "cuda" else torch.float32
         else:
             dtype = getattr(torch, config.dtype)
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
+        model = load_model(config.model, dtype=dtype)  # a vision-language checkpoint as the trainer loads it
         model = model.to(device).eval()
         return cls.from_model(model, config, tokenizer=_load_tokenizer(config.model))
 

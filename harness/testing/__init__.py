@@ -10,7 +10,8 @@ Nothing here touches the network or the Hugging Face Hub. Two tokenizers are pro
 `FakeGenerationServer` (fake_server.py) is one scripted generation server in process, implementing both
 Protocols of harness/generation/protocol.py, for tests of the rollout loop and the weight sync.
 
-The tiny models (`build_tiny_qwen3`, `build_tiny_qwen3_moe`, `build_tiny_llama`, `build_tiny_qwen3_5`) are
+The tiny models (`build_tiny_qwen3`, `build_tiny_qwen3_moe`, `build_tiny_llama`, `build_tiny_qwen3_5`,
+`build_tiny_qwen3_5_vl`) are
 randomly initialised from configs, deterministic for a given seed, and small enough to run forward/backward
 on CPU in milliseconds.
 
@@ -24,9 +25,11 @@ from harness.testing.models import (
     build_tiny_llama,
     build_tiny_qwen3,
     build_tiny_qwen3_5,
+    build_tiny_qwen3_5_vl,
     build_tiny_qwen3_moe,
     tiny_llama_config,
     tiny_qwen3_5_config,
+    tiny_qwen3_5_vl_config,
     tiny_qwen3_config,
     tiny_qwen3_moe_config,
 )
@@ -42,11 +45,13 @@ __all__ = [
     "build_tiny_llama",
     "build_tiny_qwen3",
     "build_tiny_qwen3_5",
+    "build_tiny_qwen3_5_vl",
     "build_tiny_qwen3_moe",
     "build_tiny_tokenizer",
     "load_qwen_tokenizer",
     "tiny_llama_config",
     "tiny_qwen3_5_config",
+    "tiny_qwen3_5_vl_config",
     "tiny_qwen3_config",
     "tiny_qwen3_moe_config",
 ]

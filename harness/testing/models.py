@@ -1,4 +1,5 @@
-"""Tiny random models built from configs: Qwen3, Qwen3-MoE, Llama and the Qwen3.5 gated-DeltaNet hybrid."""
+"""Tiny random models built from configs: Qwen3, Qwen3-MoE, Llama, the Qwen3.5 gated-DeltaNet hybrid, and
+Qwen3.5's vision-language form (its text model beside a tiny vision tower)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedConfig,
     PreTrainedModel,
+    Qwen3_5Config,
     Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
     Qwen3_5TextConfig,
+    Qwen3_5VisionConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -185,3 +189,38 @@ def build_tiny_qwen3_5(
     gated-delta-rule fallback, which is what the tests exercise.
     """
     return _build(Qwen3_5ForCausalLM, tiny_qwen3_5_config(vocab_size=vocab_size, **overrides), seed, dtype)
+
+
+def tiny_qwen3_5_vl_config(*, vocab_size: int | None = None, **text_overrides: Any) -> Qwen3_5Config:
+    """Config of a Qwen3.5 vision-language model: `tiny_qwen3_5_config`'s text model (overrides go there)
+    and a one-block vision tower of width 32 projecting into it."""
+    text = tiny_qwen3_5_config(vocab_size=vocab_size, **text_overrides)
+    vision = Qwen3_5VisionConfig(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=text.hidden_size,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+    )
+    return Qwen3_5Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        tie_word_embeddings=text.tie_word_embeddings,
+    )
+
+
+def build_tiny_qwen3_5_vl(
+    *, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32, **text_overrides: Any
+) -> Qwen3_5ForConditionalGeneration:
+    """A random tiny Qwen3_5ForConditionalGeneration (a vision tower beside the hybrid text model), in eval
+    mode: what the reference's Qwen3.5 checkpoints load as. `layer_types=["full_attention"] * 4` gives a
+    text model the built-in server can serve."""
+    return _build(
+        Qwen3_5ForConditionalGeneration,
+        tiny_qwen3_5_vl_config(vocab_size=vocab_size, **text_overrides),
+        seed,
+        dtype,
+    )

@@ -6,12 +6,19 @@ contiguous index range and the ancestor relation needs one gather: query q may a
     k <= q < subtree_end[k]                                 (k is on q's root-to-token path)
     and depth[q] - depth[k] < sliding_window                (sliding-window layers only)
 
-Two backends compute that attention, chosen per row by the device (`backend="auto"`):
+Three backends compute that attention, chosen per row by the device and dtype (`backend="auto"`):
 
-* `"flex"` (GPU default): PyTorch `flex_attention`, compiled, with a `BlockMask` built once per row and
+* `"varlen"` (GPU default in bf16/fp16): variable-length FlashAttention (`torch.nn.attention.varlen`), one
+  sequence per trie segment. A segment's queries are its own tokens; its keys are the tokens of its path,
+  the ancestor segments' ranges then its own, gathered by one `index_select` (a shared prefix's K/V is
+  gathered once per descendant segment), so the relation above is bottom-right causal alignment (a query
+  sees every gathered key up to itself) and a sliding window is a window over the gathered keys, which are
+  in depth order. No mask, no compilation: any row length runs at once. On CPU, where FlashAttention does
+  not run, the same plan runs segment by segment through SDPA (tests).
+* `"flex"` (GPU, float32): PyTorch `flex_attention`, compiled, with a `BlockMask` built once per row and
   window from the mask above; fully masked 128x128 blocks are skipped, so a completion never pays for its
-  siblings.
-* `"sdpa"` (CPU, tests): `scaled_dot_product_attention` with the dense [T, T] boolean mask.
+  siblings. Each new row length pays a compilation.
+* `"sdpa"` (CPU default, tests): `scaled_dot_product_attention` with the dense [T, T] boolean mask.
 
 The function is registered in transformers' `AttentionInterface` under `ATTENTION_NAME`, and the row's
 structure travels as the `tree_mask` keyword argument, which stock decoders (Llama, Qwen2, Qwen3, Qwen3.5,
@@ -53,16 +60,18 @@ __all__ = [
     "ATTENTION_NAME",
     "TreeAttentionError",
     "TreeMask",
+    "VarlenPlan",
     "gated_delta_rule_chunked",
     "packed_forward",
     "prepare_model_for_tree_attention",
     "tree_attention_forward",
+    "varlen_tree_attention",
 ]
 
 ATTENTION_NAME = "harness_tree"
 FLEX_BLOCK_SIZE = 128  # flex_attention's default block size; flex rows are padded to a multiple of it
 
-Backend = Literal["auto", "flex", "sdpa"]
+Backend = Literal["auto", "varlen", "flex", "sdpa"]
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
 _DELTANET_ATTRIBUTES = (
@@ -103,14 +112,12 @@ class TreeMask:
     segment_start: list[int]
     segment_length: list[int]
     segment_parent: list[int]
-    backend: Literal["flex", "sdpa"]
+    backend: Literal["auto", "varlen", "flex", "sdpa"]
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_row(cls, row: PackedRow, backend: Backend = "auto") -> TreeMask:
-        device = row.input_ids.device
-        if backend == "auto":
-            backend = "flex" if device.type == "cuda" else "sdpa"
+        """The row's structure; "auto" resolves at the first attention call, which knows the dtype."""
         return cls(
             position_ids=row.position_ids,
             parent=row.parent,
@@ -171,6 +178,23 @@ class TreeMask:
             )
         return self._cache[key]
 
+    def varlen_plan(self) -> VarlenPlan:
+        """The segments as variable-length sequences: queries in row order, keys gathered along paths."""
+        if "varlen" not in self._cache:
+            self._cache["varlen"] = VarlenPlan.of(
+                self.segment_start, self.segment_length, self.segment_parent, self.position_ids.device
+            )
+        return self._cache["varlen"]
+
+    def resolve_backend(self, query: torch.Tensor) -> Literal["varlen", "flex", "sdpa"]:
+        """ "auto": varlen on a GPU in half precision (the inputs', or autocast's: under bf16 autocast with
+        float32 weights, a query norm hands attention float32), flex in float32 there, sdpa on CPU."""
+        if self.backend != "auto":
+            return self.backend
+        if query.device.type != "cuda":
+            return "sdpa"
+        return "varlen" if _half_dtype(query) is not None and _has_varlen() else "flex"
+
     def ancestors(self, count: int) -> torch.Tensor:
         """[T, count] row index of each token's 1st .. count-th ancestor on its path, -1 past the root."""
         key = ("ancestors", count)
@@ -194,6 +218,157 @@ class TreeMask:
                 groups[depth].append(segment)
             self._cache["levels"] = groups
         return self._cache["levels"]
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """A packed row's trie segments as variable-length attention sequences.
+
+    Sequence s has the queries of segment s (rows `cu_q[s]:cu_q[s+1]`, which are the segment's own row
+    range: segments are laid out in row order) and the keys `key_index[cu_k[s]:cu_k[s+1]]`: the row indices
+    of its path, root first, ending with its own tokens. Each segment starts right after its parent
+    segment's last token (segments end at branches), so the path is the chain of ancestor segments, whole.
+    """
+
+    key_index: torch.Tensor  # [total_k] int64 row indices
+    cu_q: torch.Tensor  # [S + 1] int32
+    cu_k: torch.Tensor  # [S + 1] int32
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def of(
+        cls, starts: list[int], lengths: list[int], parents: list[int], device: torch.device
+    ) -> VarlenPlan:
+        path_length: list[int] = []
+        pieces: list[torch.Tensor] = []
+        position = 0
+        for segment, (start, length, parent) in enumerate(zip(starts, lengths, parents, strict=True)):
+            if start != position:
+                raise TreeAttentionError(f"segment {segment} starts at {start}, not at row index {position}")
+            position += length
+            chain = []
+            while parent >= 0:  # ancestors, nearest first
+                chain.append(parent)
+                parent = parents[parent]
+            ranges = [(starts[a], lengths[a]) for a in reversed(chain)] + [(start, length)]
+            pieces.extend(torch.arange(s, s + n) for s, n in ranges)
+            path_length.append(sum(n for _, n in ranges))
+        cu_q = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+        cu_k = torch.tensor([0, *path_length], dtype=torch.int64).cumsum(0)
+        return cls(
+            key_index=torch.cat(pieces).to(device),
+            cu_q=cu_q.to(device=device, dtype=torch.int32),
+            cu_k=cu_k.to(device=device, dtype=torch.int32),
+            max_q=max(lengths, default=0),
+            max_k=max(path_length, default=0),
+        )
+
+
+@functools.cache
+def _has_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_tree_attention(
+    query_T_Hq_D: torch.Tensor,
+    key_T_Hkv_D: torch.Tensor,
+    value_T_Hkv_D: torch.Tensor,
+    plan: VarlenPlan,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Tree attention over one row as variable-length attention (see `VarlenPlan`); [T, Hq, D] out."""
+    left = -1 if sliding_window is None else sliding_window - 1  # keys within the window, in depth
+    if query_T_Hq_D.device.type != "cuda":
+        key_K = key_T_Hkv_D.index_select(0, plan.key_index)
+        value_K = value_T_Hkv_D.index_select(0, plan.key_index)
+        return _varlen_by_segment(query_T_Hq_D, key_K, value_K, plan, scale=scale, left=left)
+    from torch.nn.attention.varlen import varlen_attn
+
+    dtype = _half_dtype(query_T_Hq_D)
+    if dtype is None:
+        raise TreeAttentionError(
+            "the varlen backend (FlashAttention) needs bf16 or fp16 inputs or autocast; use backend='flex' "
+            "for float32"
+        )
+    out_dtype = query_T_Hq_D.dtype
+    query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D = (
+        x.to(dtype) for x in (query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D)
+    )
+    key_K = key_T_Hkv_D.index_select(0, plan.key_index)
+    value_K = value_T_Hkv_D.index_select(0, plan.key_index)
+
+    # Grouped K/V heads go in as they are: FlashAttention reads each for its query heads (torch 2.13 asks
+    # for enable_gqa; 2.11's varlen_attn passes them through, checked equal to repeated heads on an H200).
+    gqa = {"enable_gqa": True} if query_T_Hq_D.shape[1] != key_K.shape[1] and _varlen_takes_gqa() else {}
+    output = varlen_attn(
+        query_T_Hq_D.contiguous(),
+        key_K,
+        value_K,
+        plan.cu_q,
+        plan.cu_k,
+        plan.max_q,
+        plan.max_k,
+        scale=scale,
+        window_size=(left, 0),
+        **gqa,
+    )
+    output = output[0] if isinstance(output, tuple) else output
+    return output.to(out_dtype)
+
+
+def _half_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The half-precision dtype attention may compute `tensor` in: its own, or CUDA autocast's."""
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.dtype
+    if tensor.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+    return None
+
+
+def _varlen_by_segment(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: VarlenPlan,
+    *,
+    scale: float | None,
+    left: int,
+) -> torch.Tensor:
+    """The same computation with SDPA, one segment at a time (CPU; FlashAttention needs a GPU)."""
+    outputs = []
+    cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
+    groups = query.shape[1] // key.shape[1]
+    for s in range(len(cu_q) - 1):
+        q = query[cu_q[s] : cu_q[s + 1]].transpose(0, 1)  # [H, Lq, D]
+        k = key[cu_k[s] : cu_k[s + 1]].transpose(0, 1).repeat_interleave(groups, 0)
+        v = value[cu_k[s] : cu_k[s + 1]].transpose(0, 1).repeat_interleave(groups, 0)
+        length_q, length_k = q.shape[1], k.shape[1]
+        rows = torch.arange(length_q, device=q.device)[:, None] + (length_k - length_q)  # bottom-right
+        columns = torch.arange(length_k, device=q.device)[None, :]
+        allowed = columns <= rows
+        if left >= 0:
+            allowed &= rows - columns <= left
+        outputs.append(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
+        )
+    return torch.cat(outputs, dim=0)
 
 
 @functools.cache
@@ -236,7 +411,18 @@ def tree_attention_forward(
             "tree attention has no attention dropout; set the config's attention_dropout=0"
         )
     gqa = query.shape[1] != key.shape[1]
-    if tree_mask.backend == "flex":
+    backend = tree_mask.resolve_backend(query)
+    if backend == "varlen":
+        output_T = varlen_tree_attention(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            tree_mask.varlen_plan(),
+            scale=scaling,
+            sliding_window=sliding_window,
+        )
+        return output_T[None], None
+    if backend == "flex":
         t, extra = tree_mask.num_tokens, tree_mask.padded_tokens - tree_mask.num_tokens
         query, key, value = (F.pad(x, (0, 0, 0, extra)) for x in (query, key, value))
         output = _compiled_flex_attention()(

@@ -44,13 +44,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+from transformers import AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import TrainOutput
 
 from environments.routing import check_routes, resolve_environments
 from harness.config import AsyncGRPOConfig
 from harness.generation.client_thread import ClientThread
 from harness.metrics import MetricsWindow
+from harness.model_loading import freeze_outside_text_model, load_model, outside_text_modules
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
 from harness.rollout.loop import AsyncRolloutLoop
 from harness.rollout.worker import check_main_guard, refuse_in_worker_bootstrap
@@ -67,7 +68,7 @@ from harness.training.ledger import PromptLedger
 from harness.training.loss import LossConfig, fused_policy_loss
 from harness.training.moe import router_aux_loss, router_aux_loss_coef
 from harness.training.processes import Processes
-from harness.types import TrainingSample
+from harness.types import TrainingSample, TrainingSequence
 from harness.weight_sync.plan import check_no_lm_head_adapter
 from harness.weight_sync.strategies import WeightSync
 
@@ -104,7 +105,7 @@ class AsyncGRPOTrainer(Trainer):
             init_kwargs = dict(_as_dict(args.model_init_kwargs))
             init_kwargs.setdefault("dtype", _torch_dtype(args.dtype))
             init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+            model = load_model(model, **init_kwargs)  # a vision-language checkpoint as one, see below
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
                 model_path or model.config._name_or_path, trust_remote_code=args.trust_remote_code
@@ -112,8 +113,11 @@ class AsyncGRPOTrainer(Trainer):
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         processing_class.padding_side = "left"
+        frozen = freeze_outside_text_model(model)  # a vision-language policy trains its text model only
+        if frozen:
+            log.info("vision-language model: %d parameters outside the text model are frozen", len(frozen))
         if peft_config is not None:
-            model = _apply_peft(model, peft_config)
+            model = _apply_peft(model, peft_config, frozen)
         for config in (getattr(model, "peft_config", None) or {}).values():
             check_no_lm_head_adapter(config)  # also for a model wrapped before it got here
         if args.gradient_checkpointing:
@@ -203,6 +207,7 @@ class AsyncGRPOTrainer(Trainer):
                     token_allowance=self._token_allowance(),
                 )
                 stack.callback(self.worker.stop)
+            self.window.add("perf/warmup_s", self._warm_up())  # while the worker makes its first groups
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             losses = []
             while not self._done():
@@ -450,6 +455,40 @@ class AsyncGRPOTrainer(Trainer):
             }
         )
         return out
+
+    def _warm_up(self) -> float:
+        """One forward and backward of a small synthetic row on every process, gradients discarded, so
+        that one-time costs (kernel selection, allocator growth, handles; flex_attention's compilation where
+        it is used) are paid before the first step rather than inside it. Returns its seconds (logged)."""
+        started = time.monotonic()
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])  # global, also as a DTensor
+        prompt = [i % vocab for i in range(1, 65)]
+        samples = [
+            TrainingSample(
+                sequence=TrainingSequence(
+                    input_ids=prompt + [(7 * j + i) % vocab for i in range(32)],
+                    loss_mask=[0] * 64 + [1] * 32,
+                    old_log_probs=[0.0] * 96,
+                    sampler_logprobs=[None] * 96,
+                    sampling_mask=[None] * 96,
+                ),
+                advantage=1.0 if j % 2 else -1.0,
+                group_id=0,
+            )
+            for j in range(2)
+        ]
+        row = pack_row(samples).to(self.args.device)
+        self.model.train()
+        with self.compute_loss_context_manager():
+            hidden_T_H, _ = _decoder_forward(self.model, row, output_router_logits=False)
+            output = fused_policy_loss(
+                hidden_T_H, row, _lm_head_weight(self.model), self.loss_config, num_trained_tokens_global=64
+            )
+        self.accelerator.backward(output.loss * 0.0)  # the same kernels as a real backward, no update
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = _seconds_since(started, row.input_ids.device)
+        log.info("warm-up forward and backward in %.1f s", seconds)
+        return seconds
 
     def _reduce_step_metrics(
         self, step_loss: torch.Tensor, metrics: MetricsWindow
@@ -712,10 +751,19 @@ def _lm_head_weight(model: Any) -> torch.Tensor:
     return weight
 
 
-def _apply_peft(model: Any, peft_config: Any) -> Any:
+def _apply_peft(model: Any, peft_config: Any, frozen: list[str]) -> Any:
+    """Wrap the policy in LoRA; on a vision-language model, never in the frozen vision tower (unless the
+    config names its own exclusions)."""
+    import copy
+    import re
+
     from peft import get_peft_model
 
     check_no_lm_head_adapter(peft_config)
+    if frozen and getattr(peft_config, "exclude_modules", None) is None:
+        towers = outside_text_modules(model)
+        peft_config = copy.copy(peft_config)
+        peft_config.exclude_modules = "|".join(rf"{re.escape(prefix)}(\..*)?" for prefix in towers)
     return get_peft_model(model, peft_config)
 
 

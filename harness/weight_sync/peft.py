@@ -18,10 +18,16 @@ _PEFT_PREFIX = "base_model.model."
 
 def served_parameters(model: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(checkpoint name, parameter) of every parameter a server loads: a PEFT model's base parameters under
-    the base checkpoint's names (adapter-only parameters left out), a plain model's as they are."""
+    the base checkpoint's names (adapter-only parameters left out), a plain model's as they are; of a
+    vision-language model only its text model's (the frozen vision tower stays as the server loaded it)."""
+    from harness.model_loading import is_served_text_parameter
+
     peft = hasattr(model, "peft_config")
+    served = is_served_text_parameter(model)
     for name, parameter in model.named_parameters():
         if peft and (".lora_" in name or "modules_to_save" in name):
+            continue
+        if not served(parameter):
             continue
         yield (_checkpoint_name(name) if peft else name), parameter
 
