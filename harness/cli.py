@@ -79,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level (default: INFO: which server and weight sync a run uses and why, warnings)",
     )
 
+    report = commands.add_parser(
+        "report",
+        help="write a run's HTML report: its curves and a browser of its saved rollouts",
+        description=(
+            "Read a run folder (metrics.jsonl or trainer_state.json, and the rollouts save_rollouts=True "
+            "wrote under rollouts/) and write one self-contained HTML file; prints its path."
+        ),
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
+    report.add_argument("--out", default=None, help="where to write it (default: RUN_DIR/report.html)")
+
     _add_sandbox_commands(commands)
     add_serve_command(commands)
     _add_envs_commands(commands)
@@ -178,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(args)
     if args.command == "tools":
         return _tools_schema(args.targets)
+    if args.command == "report":
+        return _report(args)
     if args.command == "envs":
         return _envs_list() if args.envs_command == "list" else _envs_show(args.name)
     if args.command == "sandbox" and args.sandbox_command == "reap":
@@ -204,6 +217,18 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         print(json.dumps(result, indent=2))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from harness.report import build_report
+
+    try:
+        path = build_report(args.run_dir, args.out)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 

@@ -175,6 +175,25 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata=_help("How many completions to print when log_completions is set; None prints all."),
     )
 
+    # --- beyond the reference: rollouts on disk ----------------------------------------------------
+    save_rollouts: bool = field(
+        default=False,
+        metadata=_help(
+            "Write the rollouts of every save_rollouts_every-th group to output_dir/rollouts/ as JSON "
+            "lines (messages, tool calls and results, rewards per function, advantage); `harness report` "
+            "reads them."
+        ),
+    )
+    save_rollouts_every: int = field(
+        default=1, metadata=_help("Save the rollouts of one group in this many.")
+    )
+    rollouts_file_mb: float = field(
+        default=64.0, metadata=_help("A rollouts file is closed and a new one started past this size.")
+    )
+    rollouts_max_files: int = field(
+        default=8, metadata=_help("Rollouts files kept; the oldest is deleted when another would start.")
+    )
+
     # --- beyond the reference: generation server choice ----------------------------------------------
     generation_server: GenerationServerMode = field(
         default="auto",
@@ -294,5 +313,11 @@ class AsyncGRPOConfig(TrainingArguments):
             problems.append("render_check_frac must be in [0, 1]")
         if not 0 < self.max_failure_frac <= 1 or self.failure_window < 1:
             problems.append("max_failure_frac must be in (0, 1] and failure_window at least 1")
+        if self.save_rollouts_every < 1 or self.rollouts_file_mb <= 0 or self.rollouts_max_files < 1:
+            problems.append(
+                "save_rollouts_every and rollouts_max_files must be at least 1 and rollouts_file_mb positive"
+            )
+        if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
+            problems.append("num_completions_to_print must be non-negative (None prints all)")
         if problems:
             raise ValueError("invalid AsyncGRPOConfig: " + "; ".join(problems))

@@ -194,9 +194,12 @@ class GroupResult:
         samples: The group's training samples; empty when nothing of it is trained on.
         num_tokens: Tokens of the samples packed together, a shared prefix counted once
             (`harness.packing.packed_token_count`): what the group adds to the rows it is trained in.
+        records: Beyond the reference: the group's rollouts as readable records
+            (`harness.rollout.records`) when the config asks for them (log_completions, save_rollouts).
     """
 
     position: int
     row_index: int
     samples: list[TrainingSample]
     num_tokens: int = 0
+    records: list[dict[str, Any]] = field(default_factory=list)

@@ -61,14 +61,22 @@ def _vllm_problem() -> str | None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Tests marked `docker` skip without an engine, and tests marked `vllm` without vLLM's CPU build; both
-    fail in CI instead, where tests/run.sh provides them (unless the machine cannot run vLLM at all)."""
+    """Tests marked `docker` skip without an engine, `vllm` without vLLM's CPU build, `browser` without
+    Chromium; all fail in CI instead, where tests/run.sh provides them (unless the machine cannot run vLLM
+    at all)."""
     if item.get_closest_marker("vllm") is not None:
         problem = _vllm_problem()
         if problem is not None:
             if os.environ.get("CI") and not os.environ.get("HARNESS_VLLM_UNAVAILABLE"):
                 pytest.fail(f"the vllm layer cannot run in CI: {problem}", pytrace=False)
             pytest.skip(f"needs vLLM's CPU build: {problem}")
+    if item.get_closest_marker("browser") is not None:
+        import shutil
+
+        if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+            if os.environ.get("CI"):
+                pytest.fail("no chromium in CI: tests/run.sh should have installed it", pytrace=False)
+            pytest.skip("needs a headless Chromium (apt-get install chromium)")
     if item.get_closest_marker("docker") is None:
         return
     problem = _docker_engine_problem()

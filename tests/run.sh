@@ -47,6 +47,7 @@ install_missing_packages() {
   { command -v docker && command -v dockerd; } >/dev/null || missing+=(docker.io)
   command -v bwrap >/dev/null || missing+=(bubblewrap)
   command -v debootstrap >/dev/null || missing+=(debootstrap)
+  command -v chromium >/dev/null || missing+=(chromium) # the report's browser tests
   ((${#missing[@]} > 0)) || return 0
 
   log "installing ${missing[*]} with apt-get"

@@ -107,3 +107,7 @@ def test_every_stage_runs_and_writes_its_report(tmp_path):
     assert "expected answer:" in (out / "samples-after.txt").read_text()
     assert (out / "grpo-model" / "config.json").is_file()
     assert any(line.startswith("\nreward ") for line in lines)  # the before -> after verdict
+    page = (out / "report.html").read_text()
+    assert 'data-metric="rewards/tool_success/mean"' in page and "report.html" in lines[-1]
+    saved = list((out / "grpo" / "rollouts").glob("rollouts-*.jsonl"))
+    assert saved and json.loads(saved[0].read_text().splitlines()[0])["rewards"].keys() >= {"correct_answer"}

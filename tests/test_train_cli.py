@@ -277,6 +277,9 @@ token_budget = 1024
 save_strategy = "no"
 report_to = "none"
 disable_tqdm = true
+save_rollouts = true
+log_completions = true
+num_completions_to_print = 2
 
 [peft]
 r = 4
@@ -321,3 +324,13 @@ def test_harness_train_runs_two_steps_on_cpu(tmp_path, tiny_model_dir):
         "perf/step_s",
     ):
         assert name in merged and math.isfinite(merged[name]), name
+    # log_completions: two rollouts printed at each logging step; save_rollouts: all of them on disk
+    assert done.stdout.count("completions at step") == 2 and "reward " in done.stdout
+    saved = [
+        json.loads(line)
+        for path in (out / "rollouts").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    assert saved and all("length_reward" in record["rewards"] for record in saved)
+    report = subprocess.run([str(harness), "report", str(out)], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0 and report.stdout.strip() == str(out / "report.html"), report.stderr

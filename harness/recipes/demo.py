@@ -13,8 +13,9 @@ The stages, in the order `run_demo` calls them:
     train_grpo      AsyncGRPOTrainer on new problems (LoRA, the built-in server, a spawned rollout worker),
                     with a progress bar and a live line of reward and tool success
     evaluate        the trained policy on the same held-out problems ("after")
-    report          metrics.jsonl, reward.png, samples.txt and a summary line; the exit code is 1 when
-                    the reward did not rise
+    report          metrics.jsonl, reward.png, samples.txt, report.html (`harness report`: the curves
+                    and the GRPO rollouts, saved under grpo/rollouts/) and a summary line; the exit code
+                    is 1 when the reward did not rise
 
 The task: "What is 347 + 58 * 21?" with one tool, `calculator`. The reward is 1.0 when the last number
 of the final answer is the exact value, plus TOOL_BONUS when every calculator call of the rollout
@@ -412,6 +413,7 @@ def train_grpo(
         report_to="none",
         disable_tqdm=False,
         seed=seed,
+        save_rollouts=True,  # for the run's report (harness report)
     )
     trainer = AsyncGRPOTrainer(
         str(model_dir),
@@ -626,7 +628,11 @@ def run_demo(settings: DemoSettings, log: Any = print) -> DemoResult:
         f"calculator success {before.tool_success:.0%} -> {after.tool_success:.0%}) "
         f"in {result.wall_s / 60:.1f} min"
     )
-    log(f"plot: {output_dir / 'reward.png'}  samples: {output_dir / 'samples-after.txt'}")
+    from harness.report import build_report
+    from harness.training.rollout_log import ROLLOUTS_DIR
+
+    report = build_report(output_dir, rollouts_dir=output_dir / "grpo" / ROLLOUTS_DIR)
+    log(f"plot: {output_dir / 'reward.png'}  samples: {output_dir / 'samples-after.txt'}  report: {report}")
     return result
 
 

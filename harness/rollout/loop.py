@@ -51,6 +51,7 @@ from harness.rollout.env_pool import EnvironmentPool, call_hook
 from harness.rollout.metrics import record_group
 from harness.rollout.pacing import ConcurrencyCap, FailureBreaker, TokenGate
 from harness.rollout.reconcile import reconcile_metrics, reconcile_rollout
+from harness.rollout.records import group_records
 from harness.rollout.scoring import (
     RewardFunctionError,
     call_reward_funcs,
@@ -562,6 +563,7 @@ class AsyncRolloutLoop:
         dropped = is_degenerate(total_G)
         samples: list[TrainingSample] = []
         reconciled = []
+        trained = [False] * size
         for index, rollout in enumerate(rollouts):
             if not rollout.turns:
                 continue
@@ -570,6 +572,7 @@ class AsyncRolloutLoop:
             group.completions_sequences[index] = result.sequences
             if dropped or not counted[index] or math.isnan(total_G[index]):
                 continue
+            trained[index] = True
             samples += [
                 TrainingSample(sequence, float(advantages_G[index]), group.group_id, group.model_version)
                 for sequence in result.sequences
@@ -592,7 +595,27 @@ class AsyncRolloutLoop:
             has_tools=bool(self.tools or self.environments),
             per_environment=len(self.environments) > 1,
         )
-        return GroupResult(position, group.row_index, samples, packed_token_count(samples))
+        records = []
+        if self._wants_records(position):
+            records = group_records(
+                group,
+                position=position,
+                source_names=names,
+                rewards_S_G=rewards_S_G,
+                total_G=total_G,
+                advantages_G=advantages_G,
+                dropped=dropped,
+                trained=trained,
+            )
+        return GroupResult(position, group.row_index, samples, packed_token_count(samples), records)
+
+    def _wants_records(self, position: int) -> bool:
+        """Whether this group's rollouts go to the trainer as records (printed, saved, reported)."""
+        config = self.config
+        every = getattr(config, "save_rollouts_every", 1)
+        return bool(getattr(config, "log_completions", False)) or (
+            bool(getattr(config, "save_rollouts", False)) and position % every == 0
+        )
 
     def _reward_sources(self, rewards_F_G: np.ndarray, group: RolloutGroup) -> tuple[list[str], np.ndarray]:
         names = [reward_func_name(func) for func in self.reward_funcs]

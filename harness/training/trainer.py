@@ -32,6 +32,7 @@ trainer holds).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -68,6 +69,7 @@ from harness.training.ledger import PromptLedger
 from harness.training.loss import LossConfig, fused_policy_loss
 from harness.training.moe import router_aux_loss, router_aux_loss_coef
 from harness.training.processes import Processes
+from harness.training.rollout_log import ROLLOUTS_DIR, RolloutLog, completions_table
 from harness.types import TrainingSample, TrainingSequence
 from harness.weight_sync.plan import check_no_lm_head_adapter
 from harness.weight_sync.strategies import WeightSync
@@ -84,6 +86,8 @@ class AsyncGRPOTrainer(Trainer):
     _weight_sync: WeightSync | None
     _client: ClientThread | None
     _token_budget: int | None
+
+    _rollout_log: RolloutLog | None = None
 
     def __init__(
         self,
@@ -207,6 +211,14 @@ class AsyncGRPOTrainer(Trainer):
                     token_allowance=self._token_allowance(),
                 )
                 stack.callback(self.worker.stop)
+                if args.save_rollouts:
+                    self._rollout_log = stack.enter_context(
+                        RolloutLog(
+                            Path(args.output_dir) / ROLLOUTS_DIR,
+                            file_bytes=int(args.rollouts_file_mb * 2**20),
+                            max_files=args.rollouts_max_files,
+                        )
+                    )
             self.window.add("perf/warmup_s", self._warm_up())  # while the worker makes its first groups
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             losses = []
@@ -263,6 +275,8 @@ class AsyncGRPOTrainer(Trainer):
         self._token_budget = None
         self.pending: list[TrainingSample] = []
         self.window = MetricsWindow()
+        self._rollout_log = None  # opened by train() under save_rollouts
+        self._completions: collections.deque[dict[str, Any]] = collections.deque(maxlen=1024)
         self._finished_worker = False
         self.state.global_step = 0
         self.state.max_steps = args.max_steps if args.max_steps > 0 else 0
@@ -607,6 +621,12 @@ class AsyncGRPOTrainer(Trainer):
             self._raise_allowance()  # dropped samples free their share of the allowance now
         self.pending += fresh
         self.window.add("rollout/queue_size", len(self.pending))
+        if result.records:
+            step = self.state.global_step + 1  # the step it is taken for
+            if self._rollout_log is not None and result.position % self.args.save_rollouts_every == 0:
+                self._rollout_log.write(result.records, step=step)
+            if self.args.log_completions:
+                self._completions.extend({**record, "step": step} for record in result.records)
         return True
 
     # --- after a step ---------------------------------------------------------------------------------
@@ -627,12 +647,47 @@ class AsyncGRPOTrainer(Trainer):
             # NaN means "nothing recorded this window" (e.g. fork_frac without multi-turn rollouts)
             self.log({k: v for k, v in self.window.summary().items() if not math.isnan(v)})
             self.window.reset()
+            if args.log_completions and self._is_main:
+                self._log_completions()
         if (
             args.save_strategy == "steps"
             and args.save_steps
             and self.state.global_step % int(args.save_steps) == 0
         ):
             self.save_checkpoint()
+
+    def _log_completions(self) -> None:
+        """Print the rollouts taken since the last logging step (the latest num_completions_to_print of
+        them) and log them as a table to the report_to integrations that take one (wandb)."""
+        records = list(self._completions)
+        self._completions.clear()
+        if self.args.num_completions_to_print is not None:
+            records = (
+                records[-self.args.num_completions_to_print :] if self.args.num_completions_to_print else []
+            )
+        if not records:
+            return
+        print(f"completions at step {self.state.global_step}:\n{completions_table(records)}", flush=True)
+        report_to = self.args.report_to or []
+        if "wandb" in report_to:
+            import wandb
+
+            if wandb.run is not None:
+                columns = ["step", "prompt", "completion", "reward", "advantage", "rewards"]
+                rows = [
+                    [
+                        r.get("step"),
+                        json.dumps(r.get("prompt"), ensure_ascii=False),
+                        json.dumps(r.get("completion"), ensure_ascii=False),
+                        r.get("reward"),
+                        r.get("advantage"),
+                        json.dumps(r.get("rewards")),
+                    ]
+                    for r in records
+                ]
+                wandb.log(
+                    {"completions": wandb.Table(columns=columns, data=rows)}, step=self.state.global_step
+                )
 
     def _token_allowance(self) -> int:
         """What the worker may have produced in all: max(max_staleness, 1) steps' tokens beyond what was
