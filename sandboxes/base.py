@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import anyio
+
 from sandboxes import errors
 from sandboxes.channel import AgentChannel
 from sandboxes.image import DEFAULT_IMAGE
@@ -191,14 +193,24 @@ class Sandbox(ABC):
         return self
 
     async def close(self) -> None:
-        """Tear the sandbox down: every process in it ends, its files are deleted. Idempotent."""
+        """Tear the sandbox down: every process in it ends, its files are deleted. Idempotent.
+
+        Shielded from cancellation (the teardown is bounded), so a rollout cancelled at shutdown still
+        removes its sandbox; one interrupted otherwise (a signal's SystemExit) finishes synchronously."""
         if self._closed:
             return
         self._closed = True
-        _LIVE.discard(self)
-        if self._channel is not None:
-            await self._channel.close()
-        await self._destroy()
+        try:
+            with anyio.CancelScope(shield=True):
+                if self._channel is not None:
+                    await self._channel.close()
+                await self._destroy()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._destroy_now()
+            raise
+        finally:
+            _LIVE.discard(self)
 
     @property
     def closed(self) -> bool:

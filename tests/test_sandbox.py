@@ -253,6 +253,28 @@ async def test_close_is_idempotent_and_use_after_close_is_typed(backend):
         await sandbox.start()
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_start_or_close_cancelled_half_way_leaves_nothing(backend):
+    """What a run's shutdown does to rollouts in flight: cancel their sandboxes mid-start and mid-close."""
+    started_late = [create_sandbox(spec(backend)) for _ in range(6)]
+    cancelled = 0
+    for index, sandbox in enumerate(started_late):  # cancelled at different points of the start
+        with anyio.move_on_after(0.005 * (index + 1)) as scope:
+            await sandbox.start()
+        cancelled += scope.cancelled_caught
+        if not scope.cancelled_caught:
+            await sandbox.close()
+    assert cancelled >= 2, "the starts were meant to be cancelled part-way"
+    closed_cancelled = [await create_sandbox(spec(backend)).start() for _ in range(2)]
+    for sandbox in closed_cancelled:
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # every await of close() is cancelled
+            await sandbox.close()
+    everything = started_late + closed_cancelled
+    assert all(sandbox.closed for sandbox in everything)
+    assert leftovers(backend, everything) == []
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_64_concurrent_sandboxes_are_all_removed_after(backend):
