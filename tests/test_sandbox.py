@@ -253,7 +253,6 @@ async def test_close_is_idempotent_and_use_after_close_is_typed(backend):
         await sandbox.start()
 
 
-
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_start_or_close_cancelled_half_way_leaves_nothing(backend):
     """What a run's shutdown does to rollouts in flight: cancel their sandboxes mid-start and mid-close."""
@@ -274,6 +273,7 @@ async def test_a_start_or_close_cancelled_half_way_leaves_nothing(backend):
     everything = started_late + closed_cancelled
     assert all(sandbox.closed for sandbox in everything)
     assert leftovers(backend, everything) == []
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)

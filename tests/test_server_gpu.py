@@ -79,3 +79,56 @@ def test_nccl_weight_update_between_two_gpus():
                 sync.sync(new_model, 1)
         (completion,) = greedy(server.base_url, PROMPTS[:1])
     assert_matches(new_model, PROMPTS[0], completion, atol=1e-3)
+
+
+def test_cuda_ipc_weight_update_to_a_server_process(tmp_path):
+    """The trainer's CUDA buffer opened by a built-in server process on the same GPU: after each sync the
+    server generates exactly what the trainer's weights compute. A small buffer makes one sync several
+    buckets; a hostile handle is refused without touching the served weights."""
+    from harness.server.launch import start_builtin_server
+    from harness.testing import build_tiny_tokenizer
+    from harness.weight_sync.cuda_ipc import share_buffer
+    from harness.weight_sync.plan import plan_weight_sync
+    from harness.weight_sync.transports import IpcTransfer
+
+    model_dir = tmp_path / "model"
+    build_tiny_qwen3().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+    with (
+        start_builtin_server(model_dir, device="cuda", dtype="float32", max_model_len=256) as server,
+        ClientThread(server.base_url, 120.0) as client,
+    ):
+        plan = plan_weight_sync(
+            build_tiny_qwen3().to("cuda"), client.server_info(), base_url=server.base_url, max_staleness=1
+        )
+        assert plan.kind == "ipc"  # the server reports the trainer's GPU among those it sees
+        sync = MergedWeightSync(IpcTransfer(device="cuda", buffer_size_bytes=64 << 10), client)
+        for seed in (1, 2):
+            model = build_tiny_qwen3(seed=seed).to("cuda")
+            timings = sync.sync(model, seed)
+            for prompt, completion in zip(PROMPTS, greedy(server.base_url, PROMPTS), strict=True):
+                assert_matches(model, prompt, completion, atol=1e-3)
+        print(f"ipc sync of the tiny model: {timings['perf/weight_sync_s'] * 1e3:.1f} ms")
+        hostile = {
+            "names": ["model.norm.weight"],
+            "dtype_names": ["float32"],
+            "shapes": [[64]],
+            "ipc": {"buffer": {"args": [{"class": "Module"}] * 15}, "offsets": [0]},
+        }
+        with pytest.raises(Exception, match=r"may not|could not read"):
+            client.call("send_weight_manifest", hostile)
+        elsewhere = {
+            **hostile,
+            "ipc": {
+                "buffer": {
+                    **share_buffer(torch.zeros(256, dtype=torch.uint8, device="cuda")),
+                    "device_uuid": "GPU-not-this-one",
+                },
+                "offsets": [0],
+            },
+        }
+        with pytest.raises(Exception, match=r"not visible to this process"):
+            client.call("send_weight_manifest", elsewhere)
+        for prompt, completion in zip(PROMPTS, greedy(server.base_url, PROMPTS), strict=True):
+            assert_matches(model, prompt, completion, atol=1e-3)  # still the last synced weights
+        sync.close()

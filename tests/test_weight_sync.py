@@ -111,12 +111,15 @@ def assert_generated_by(model: Any, completion: Any) -> None:
 # --- the choice (no server) ---------------------------------------------------------------------------------
 
 
-def builtin_info(lora_config: dict[str, int] | None = None, data_parallel: int = 1) -> dict[str, Any]:
+def builtin_info(
+    lora_config: dict[str, int] | None = None, data_parallel: int = 1, device: str = "cpu"
+) -> dict[str, Any]:
     return {
         "server": "agent-harness built-in",
         "vllm_config": {
             "lora_config": lora_config,
             "parallel_config": {"data_parallel_size": data_parallel},
+            "device_config": {"device": device},
         },
     }
 
@@ -132,6 +135,7 @@ LOCAL = "http://127.0.0.1:8000"
     ("lora", "info", "url", "kind", "reason"),
     [
         (False, builtin_info(), LOCAL, "file", "not a PEFT LoRA model"),
+        (False, builtin_info(device="cuda:0"), LOCAL, "file", "not a PEFT LoRA model"),  # trainer on CPU
         (False, builtin_info(), "http://10.255.0.7:8000", "broadcast", "not a PEFT LoRA model"),
         (False, vllm_info(), LOCAL, "broadcast", "not a PEFT LoRA model"),
         (True, vllm_info({"max_loras": 3, "max_lora_rank": 8}), LOCAL, "adapter", "rank 4"),

@@ -52,6 +52,7 @@ from harness.server.protocol import (
     parse_generate_request,
 )
 from harness.server.state import ServerConfig, ServerState
+from harness.weight_sync.cuda_ipc import visible_device_uuids
 from harness.weight_sync.wire import (
     DEFAULT_BUFFER_SIZE_BYTES,
     WeightManifest,
@@ -241,6 +242,7 @@ def build_app(state: ServerState) -> web.Application:
                     },
                     "device_config": {"device": str(state.model.device)},
                 },
+                "cuda_device_uuids": visible_device_uuids(),  # GPUs whose IPC buffers it can open
             }
         )
 
@@ -297,7 +299,27 @@ def build_app(state: ServerState) -> web.Application:
             raise ProtocolError(400, "update_weights needs an update_info object", "update_info")
         manifest = WeightManifest.from_update_info(info)
         path = info.get("path")
-        if path is not None:
+        ipc = info.get("ipc")
+        if ipc is not None:
+            if not isinstance(ipc, dict) or not isinstance(ipc.get("offsets"), list):
+                raise ProtocolError(400, "update_info.ipc needs a buffer handle and offsets", "update_info")
+
+            def apply_ipc() -> int:
+                import torch
+
+                from harness.weight_sync.cuda_ipc import IpcError, open_buffer, tensors_in
+
+                check_manifest(state.model, manifest)
+                try:
+                    buffer = open_buffer(ipc.get("buffer"))
+                    count = copy_into_model(state.model, tensors_in(buffer, manifest, ipc["offsets"]))
+                except (IpcError, RuntimeError) as exc:
+                    raise WeightTransferError(f"could not read the trainer's CUDA buffer: {exc}") from exc
+                torch.cuda.synchronize(buffer.device)  # copied out before the trainer reuses the buffer
+                return count
+
+            count = await run_on_engine(apply_ipc)
+        elif path is not None:
             if not Path(path).is_file():
                 raise WeightTransferError(f"weights file {path} does not exist (is it on this host?)")
 

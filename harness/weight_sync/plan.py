@@ -5,8 +5,9 @@
 
 Adapter sync (`AdapterWeightSync`) when the policy is a PEFT LoRA model and the server reports LoRA support
 (server_info lora_config with max_loras >= max_staleness + 2 and the adapter's rank within max_lora_rank,
-one data-parallel engine); else merged weights (`MergedWeightSync`): through the shared-memory file for the
-built-in server on this host, else through a broadcast group. One log line says which and why.
+one data-parallel engine); else merged weights (`MergedWeightSync`): for the built-in server on this host
+through CUDA IPC when the server can see the trainer's GPU (it reports the UUIDs of the GPUs it sees), else
+through the shared-memory file; else through a broadcast group. One log line says which and why.
 
 Who talks to it: harness/training/generation_side.py plans and builds at start; the strategies are in
 strategies.py, the transports they move merged weights with in transports.py.
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.weight_sync.strategies import AdapterWeightSync, MergedWeightSync, WeightSync
-from harness.weight_sync.transports import BroadcastTransfer, FileTransfer, is_local_url
+from harness.weight_sync.transports import BroadcastTransfer, FileTransfer, IpcTransfer, is_local_url
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass(frozen=True)
 class WeightSyncPlan:
-    """What `plan_weight_sync` chose: "adapter", "file" or "broadcast", and why (for the log)."""
+    """What `plan_weight_sync` chose: "adapter", "ipc", "file" or "broadcast", and why (for the log)."""
 
     kind: str
     reason: str
@@ -107,6 +108,8 @@ def dtype_mismatch(trainer_dtype: Any, server_info: dict[str, Any]) -> str | Non
 def _plan(model: Any, server_info: dict[str, Any], *, base_url: str, max_staleness: int) -> WeightSyncPlan:
     builtin = str(server_info.get("server", "")).startswith("agent-harness")
     merged = "file" if builtin and is_local_url(base_url) else "broadcast"
+    if merged == "file" and _trainer_gpu(model) in (server_info.get("cuda_device_uuids") or []):
+        merged = "ipc"  # the server sees the trainer's GPU: it opens the trainer's buffer
     config = lora_config_of(model)
     if config is None:
         return WeightSyncPlan(merged, "the policy is not a PEFT LoRA model")
@@ -142,6 +145,16 @@ def _plan(model: Any, server_info: dict[str, Any], *, base_url: str, max_stalene
     return WeightSyncPlan("adapter", f"the server serves LoRA adapters (rank {rank} adapter)", rank)
 
 
+def _trainer_gpu(model: Any) -> str | None:
+    """The UUID of the GPU the model's parameters are on, or None off CUDA."""
+    from harness.weight_sync.cuda_ipc import device_uuid
+
+    parameter = next(iter(model.parameters()), None)
+    if parameter is None or parameter.device.type != "cuda":
+        return None
+    return device_uuid(parameter.device.index or 0)
+
+
 def _lora_rank_flag(rank: int) -> int:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
 
@@ -164,6 +177,8 @@ def build_weight_sync(
         )
     if plan.kind == "file":
         return MergedWeightSync(FileTransfer(), server, is_main=is_main, world_size=world_size)
+    if plan.kind == "ipc":
+        return MergedWeightSync(IpcTransfer(device=device), server, is_main=is_main, world_size=world_size)
     if plan.kind == "broadcast":
         transfer = BroadcastTransfer(device=device)
         if is_main:

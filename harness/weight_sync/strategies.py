@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from harness.generation.client_thread import ClientThread
-    from harness.weight_sync.transports import BroadcastTransfer, FileTransfer
+    from harness.weight_sync.transports import BroadcastTransfer, FileTransfer, IpcTransfer
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,10 @@ class MergedWeightSync(WeightSync):
     """Merged weights through a transport, between /pause?mode=keep and /resume (see the module docstring)."""
 
     def __init__(
-        self, transfer: FileTransfer | BroadcastTransfer, server: ClientThread | None, **kwargs: Any
+        self,
+        transfer: FileTransfer | IpcTransfer | BroadcastTransfer,
+        server: ClientThread | None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(server, **kwargs)
         self.transfer = transfer

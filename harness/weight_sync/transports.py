@@ -1,6 +1,8 @@
 """Transports for merged weights: how MergedWeightSync's stream of (name, tensor) reaches the server.
 
     FileTransfer        one file in /dev/shm that the built-in server on this host reads
+    IpcTransfer         a CUDA buffer of the trainer's that the built-in server on this host opens through
+                        CUDA IPC (both on GPUs): two device copies, no file, no process group
     BroadcastTransfer   a process group the server joined (trainer = rank 0): torch.distributed for the
                         built-in server (NCCL on GPU, gloo on CPU), vLLM's own NCCL group for vLLM
 
@@ -57,6 +59,89 @@ class FileTransfer:
 
     def close(self) -> None:
         pass
+
+
+class IpcTransfer:
+    """Merged weights through a CUDA buffer the built-in server on this host opens by its IPC handle
+    (`harness.weight_sync.cuda_ipc`).
+
+    The trainer keeps one buffer (at most `buffer_size_bytes`, at most the model's size), packs the tensors
+    into it in manifest order, each at an aligned offset, and when it is full (or the weights end) posts
+    /update_weights with that bucket's manifest, offsets and the buffer's handle; the server copies the
+    bytes out before it answers, so the buffer is free for the next bucket. A 0.6B model in bf16 fits one
+    2 GiB bucket: a sync is one request.
+    """
+
+    kind = "ipc"
+
+    def __init__(self, *, device: torch.device | str = "cuda", buffer_size_bytes: int = 2 << 30) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.buffer_size_bytes = int(buffer_size_bytes)
+        self._buffer: torch.Tensor | None = None
+
+    def _buffer_for(self, model: Any, smallest: int) -> torch.Tensor:
+        import torch
+
+        from harness.weight_sync.peft import served_parameters
+
+        if self._buffer is None or self._buffer.numel() < smallest:
+            total = sum(_aligned(p.numel() * p.element_size()) for _, p in served_parameters(model))
+            size = max(min(self.buffer_size_bytes, total), smallest)
+            self._buffer = None  # the old one goes before the new one is taken
+            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._buffer
+
+    def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        import torch
+
+        from harness.weight_sync.cuda_ipc import share_buffer
+        from harness.weight_sync.wire import WeightManifest
+
+        server.call("start_weight_update")
+        buffer = self._buffer_for(model, 0)
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        offsets: list[int] = []
+        used = 0
+
+        def flush() -> None:
+            nonlocal used
+            if not names:
+                return
+            torch.cuda.current_stream(buffer.device).synchronize()  # the bytes are there before it reads
+            manifest = WeightManifest.of(list(zip(names, tensors, strict=True)))
+            info = {**manifest.to_update_info(), "ipc": {"buffer": share_buffer(buffer), "offsets": offsets}}
+            server.call("send_weight_manifest", info)
+            names.clear()
+            tensors.clear()
+            offsets.clear()
+            used = 0
+
+        for name, tensor in weights:
+            nbytes = tensor.numel() * tensor.element_size()
+            if used + nbytes > buffer.numel():
+                flush()
+                if nbytes > buffer.numel():
+                    buffer = self._buffer_for(model, _aligned(nbytes))
+            view = buffer[used : used + nbytes].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor, non_blocking=True)
+            names.append(name)
+            tensors.append(view)  # for the manifest's dtype and shape only
+            offsets.append(used)
+            used += _aligned(nbytes)
+        flush()
+        server.call("finish_weight_update")
+
+    def close(self) -> None:
+        self._buffer = None
+
+
+def _aligned(nbytes: int) -> int:
+    from harness.weight_sync.cuda_ipc import ALIGNMENT
+
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 class BroadcastTransfer:
