@@ -260,27 +260,35 @@ class LocalSandbox(ProcessSandbox):
 def remove_tree(path: Path) -> None:
     """Delete a sandbox directory, including what sandboxed code made unreadable (chmod 000 and the like).
 
-    Never follows a link: only real directories inside the tree are made writable (through a descriptor
-    opened with O_NOFOLLOW), so a symlink the sandbox left cannot point the cleanup at a host file.
+    Never follows a link: only real directories inside the tree are made accessible (opened with
+    O_NOFOLLOW), so a symlink the sandbox left cannot point the cleanup at a host file. A pass that meets
+    an unreadable directory makes it accessible and the next pass goes into it; nesting deeper than
+    _REMOVE_PASSES such directories is left to the reaper.
     """
 
-    def make_writable_and_retry(function: Any, failed_path: str, _exc_info: Any) -> None:
+    def make_accessible(function: Any, failed_path: str, _exc_info: Any) -> None:
         with contextlib.suppress(OSError):
             _chmod_directory(os.path.dirname(failed_path))
             if not os.path.islink(failed_path) and os.path.isdir(failed_path):
                 _chmod_directory(failed_path)
-            function(failed_path)
 
-    shutil.rmtree(path, onerror=make_writable_and_retry)
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
+    for _ in range(_REMOVE_PASSES):
+        shutil.rmtree(path, onerror=make_accessible)
+        if not os.path.lexists(path):
+            return
+
+
+_REMOVE_PASSES = 32
 
 
 def _chmod_directory(path: str) -> None:
-    """chmod 0700 on a directory, refusing a symlink (O_NOFOLLOW) and anything that is not a directory."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    """chmod 0700 on a directory, refusing a symlink (O_NOFOLLOW) and anything that is not a directory.
+
+    The directory is opened as a path only (O_PATH: it may be mode 000, unreadable to its own owner) and
+    changed through its /proc/self/fd entry, which names the opened directory itself, never a link."""
+    fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        os.fchmod(fd, 0o700)
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)
     finally:
         os.close(fd)
 

@@ -29,6 +29,7 @@ from harness import AsyncGRPOConfig, AsyncGRPOTrainer
 from sandboxes.base import Limits, SandboxSpec
 
 NUM_PROMPTS = int(sys.argv[5]) if len(sys.argv) > 5 else 24
+BACKEND = sys.argv[6] if len(sys.argv) > 6 else "local"
 
 
 def spread_reward(completion_ids, **kwargs):
@@ -38,7 +39,7 @@ def spread_reward(completion_ids, **kwargs):
 class ShellEnv(Environment):
     """Each rollout holds a local sandbox, so a stop has sandboxes to close."""
 
-    manifest = Manifest(name="shell", sandbox=SandboxSpec(backend="local", limits=Limits(memory_mb=256)),
+    manifest = Manifest(name="shell", sandbox=SandboxSpec(backend=BACKEND, limits=Limits(memory_mb=256)),
                         sandbox_tools=("bash",), reward_names=())
 
     def reset(self, **row):
@@ -93,9 +94,11 @@ if __name__ == "__main__":
 '''
 
 
-def start(script: Path, mode: str, model_dir: str, out_dir: Path, record: Path) -> subprocess.Popen:
+def start(
+    script: Path, mode: str, model_dir: str, out_dir: Path, record: Path, backend: str = "local"
+) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(script), mode, model_dir, str(out_dir), str(record), str(NUM_PROMPTS)],
+        [sys.executable, str(script), mode, model_dir, str(out_dir), str(record), str(NUM_PROMPTS), backend],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -158,8 +161,9 @@ def test_a_run_killed_mid_way_and_resumed_trains_every_prompt_of_the_epoch(tmp_p
     assert counted == [len(state["retrained_positions"])]
 
 
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
 def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_no_sandbox_server_or_worker(
-    tmp_path, tiny_model_dir
+    tmp_path, tiny_model_dir, backend
 ):
     from leftovers import live_children  # noqa: F401 - the helper's module, for the process table below
 
@@ -169,11 +173,16 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_no_sandbox_server_or
     script.write_text(RUN)
     out_dir, record = tmp_path / "run", tmp_path / "record.jsonl"
     before = set(sandbox_root().glob("*")) if sandbox_root().exists() else set()
-    run = start(script, "sigterm", tiny_model_dir, out_dir, record)
+    containers_before = our_containers() if backend == "docker" else set()
+    run = start(script, "sigterm", tiny_model_dir, out_dir, record, backend)
+
     deadline = time.monotonic() + 300
     while not any("trained" in e for e in entries(record)):  # a step trained, sandboxes in use
         assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-4000:]
         time.sleep(0.1)
+    while backend == "docker" and not our_containers() - containers_before:  # stopped with containers up
+        assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-4000:]
+        time.sleep(0.05)
     descendants = _descendants(run.pid)
     assert descendants, "the run has a worker and a server"
     stopped_at = time.monotonic()
@@ -187,6 +196,16 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_no_sandbox_server_or
     assert [pid for pid in descendants if _alive(pid)] == []
     after = set(sandbox_root().glob("*")) if sandbox_root().exists() else set()
     assert after <= before, f"sandbox directories left: {sorted(after - before)}"
+    if backend == "docker":
+        assert our_containers() <= containers_before, "containers left"
+
+
+def our_containers() -> set[str]:
+    """The ids of every container the harness made that exists now."""
+    from sandboxes.engine import LABELS, docker_client
+
+    managed = {"label": LABELS["managed"]}
+    return {c["Id"] for c in docker_client().api.containers(all=True, filters=managed)}
 
 
 def _descendants(root: int) -> list[int]:

@@ -517,6 +517,61 @@ async def test_a_sandbox_killed_mid_tool_call_fails_only_its_rollout(tmp_path):
     assert not any(cmdline == SLEEP_COMMAND for _, cmdline in process_table().values())
 
 
+class SlowStartShellEnv(Environment):
+    """A shell whose sandboxes cannot start in time: what an engine under heavy load looks like."""
+
+    manifest = Manifest(
+        name="slow-start-shell",
+        sandbox=SandboxSpec(backend="local", start_timeout_s=0.5),
+        sandbox_tools=("bash",),
+    )
+
+    def reset(self, **row) -> str:
+        return "Run something."
+
+
+@pytest.mark.slow
+async def test_sandbox_starts_that_time_out_fail_their_rollouts_typed_and_leave_nothing(
+    tmp_path, monkeypatch
+):
+    """Every sandbox's executor is stuck (it sleeps instead of answering), so every start runs past its
+    timeout: each rollout ends typed with the reason, counted by type, out of the rewards; the loop itself
+    does not raise, and no sandbox directory or process is left."""
+    problem = await bwrap_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    from sandboxes.local import sandbox_root
+    from sandboxes.owner import owner_tag
+
+    def mine() -> set[Path]:
+        return set(sandbox_root().glob(f"{owner_tag()}-*")) if sandbox_root().exists() else set()
+
+    before = mine()
+    stuck = "import time; time.sleep(120)  # stuck-executor"
+    monkeypatch.setattr("sandboxes.base.AGENT_SOURCE", stuck)
+    loop = make_loop(
+        lambda prompt, call: "unused",
+        loop_cls=RecordingLoop,
+        env=SlowStartShellEnv,
+        dataset=[{}],
+        reward_funcs=[random_reward],
+        tmp_path=tmp_path,
+        num_generations=4,
+        max_concurrent_rollouts=4,
+        **ONE_PASS,
+    )
+    with anyio.fail_after(60):
+        await loop.run()  # one pass over one prompt, then it ends by itself
+    rollouts = all_rollouts(loop)
+    assert len(rollouts) == 4 and all(rollout.failed for rollout in rollouts)
+    assert {rollout.error_type for rollout in rollouts} == {"SandboxTimeout"}
+    assert all("no answer to 'ping' within 0.5 s" in rollout.error for rollout in rollouts)
+    assert metrics(loop)["rollout/failed/SandboxTimeout_count"] == 4
+    assert np.isnan(loop.groups[0].rewards).all()
+    assert mine() <= before
+    assert not any("stuck-executor" in cmdline for _, cmdline in process_table().values())
+
+
 # --- 3 and 4. the real built-in server, failing and then gone ---------------------------------------------
 
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import struct
+import tempfile
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -21,6 +25,7 @@ from sandboxes import errors
 from sandboxes.backends import create_sandbox
 from sandboxes.base import Limits, SandboxSpec
 from sandboxes.channel import AgentChannel
+from sandboxes.local import remove_tree
 
 pytestmark = pytest.mark.anyio
 
@@ -269,3 +274,70 @@ async def test_the_first_local_sandbox_says_which_limits_it_cannot_enforce(monke
     local._say_what_is_not_enforced.cache_clear()
     (record,) = [r for r in caplog.records if "cannot" in r.getMessage() or "no cgroup" in r.getMessage()]
     assert "does not run as root" in record.getMessage() and "cpus is not enforced" in record.getMessage()
+
+
+@pytest.fixture
+def world_readable_tmp():
+    """A temporary folder under /tmp that another user can reach (pytest's own is root-only)."""
+    path = Path(tempfile.mkdtemp(prefix="link-cleanup-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_cleanup_never_follows_a_link_out_of_the_sandbox_directory(world_readable_tmp):
+    """A tree a sandbox could leave: a directory it made unreadable, holding symlinks to a host file and
+    to a host directory, and a read-only one holding a symlink to the host file. Removed by a user who
+    needs chmod to get through it (nobody, when the tests run as root): the tree is gone, the host file
+    and directory keep their modes and contents."""
+    base = world_readable_tmp
+    host, tree = base / "host", base / "sandbox-dir"
+    secret, host_dir = host / "secret.txt", host / "dir"
+    locked = tree / "work" / "locked"
+    host_dir.mkdir(parents=True)
+    secret.write_text("host data")
+    (host_dir / "keep.txt").write_text("keep")
+    locked.mkdir(parents=True)
+    (locked / "to-file").symlink_to(secret)
+    (locked / "to-dir").symlink_to(host_dir)
+    (locked / "plain.txt").write_text("x")
+    read_only = tree / "work" / "read-only"  # listable, but its entries cannot be unlinked without chmod
+    read_only.mkdir()
+    (read_only / "to-file").symlink_to(secret)
+    as_root = os.geteuid() == 0
+    owner = 65534 if as_root else os.geteuid()
+    if as_root:  # everything belongs to nobody, who then removes the tree
+        for path in (
+            base,
+            host,
+            secret,
+            host_dir,
+            host_dir / "keep.txt",
+            tree,
+            tree / "work",
+            locked,
+            read_only,
+        ):
+            os.chown(path, owner, owner)
+        for path in (*locked.iterdir(), *read_only.iterdir()):
+            os.lchown(path, owner, owner)
+    secret.chmod(0o600)
+    host_dir.chmod(0o500)  # read-only for its owner: the cleanup must not make it writable
+    locked.chmod(0o000)
+    read_only.chmod(0o500)
+    pid = os.fork()
+    if pid == 0:  # the child drops to that user and removes the tree
+        code = 1
+        try:
+            if as_root:
+                os.setgid(owner)
+                os.setuid(owner)
+            remove_tree(tree)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not tree.exists()
+    assert secret.stat().st_mode & 0o777 == 0o600 and secret.read_text() == "host data"
+    assert host_dir.stat().st_mode & 0o777 == 0o500 and (host_dir / "keep.txt").read_text() == "keep"
