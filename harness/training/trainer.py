@@ -125,7 +125,7 @@ class AsyncGRPOTrainer(Trainer):
         for config in (getattr(model, "peft_config", None) or {}).values():
             check_no_lm_head_adapter(config)  # also for a model wrapped before it got here
         if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            _enable_activation_checkpointing(model)
         prepare_model_for_tree_attention(model)
         # resolved once: a coefficient set for a dense model raises here, before anything starts
         self.router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
@@ -839,3 +839,13 @@ def _torch_dtype(name: str) -> Any:
 
 
 __all__ = ["AsyncGRPOTrainer"]
+
+
+def _enable_activation_checkpointing(model: Any) -> None:
+    """Non-reentrant activation checkpointing, by the current transformers name where it exists (the old
+    name, gradient_checkpointing_enable, warns there and is all that transformers 5.17 has)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
