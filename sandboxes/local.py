@@ -300,7 +300,12 @@ def _kill_group(pid: int) -> None:
 
 def _kill_tree(pid: int) -> None:
     """SIGKILL a process, its group and every descendant (bwrap's namespace init is in a session of its
-    own, so its group alone would leave the sandbox running)."""
+    own, so its group alone would leave the sandbox running).
+
+    The process is stopped first, so it cannot start a child between the look at /proc and the kill: a
+    bwrap killed while it sets up would otherwise leave a namespace child that waits forever for it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGSTOP)
     for victim in [*_descendants(pid), pid]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(victim, signal.SIGKILL)

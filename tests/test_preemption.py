@@ -194,6 +194,10 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_no_sandbox_server_or
     assert (checkpoint / "rollout_state.json").exists()
     time.sleep(1)
     assert [pid for pid in descendants if _alive(pid)] == []
+    from sandboxes.reaper import _local_executors
+
+    # a sandbox process of the run's, started after the look at its descendants (bwrap mid-setup included)
+    assert [pid for pid, owner in _local_executors() if owner.pid in descendants] == []
     after = set(sandbox_root().glob("*")) if sandbox_root().exists() else set()
     assert after <= before, f"sandbox directories left: {sorted(after - before)}"
     if backend == "docker":
