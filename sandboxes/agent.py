@@ -346,7 +346,8 @@ def _kill_tree(pid, marker=None):
 
 def _freeze_then_kill(find):
     """SIGSTOP what `find()` returns until a sweep finds nothing new (a stopped process cannot fork, so a
-    fork bomb runs out of new children), then SIGKILL it all."""
+    fork bomb runs out of new children), then SIGKILL it all. A sweep waits (briefly) until its victims
+    are seen stopped: a signal lands asynchronously, and a fork already under way still makes a child."""
     stopped = set()
     for _ in range(50):
         victims = find() - stopped
@@ -355,6 +356,7 @@ def _freeze_then_kill(find):
         for victim in victims:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(victim, signal.SIGSTOP)
+        _await_state(victims, b"TtZX", 0.2)
         stopped |= victims
     victims = stopped | find()
     for victim in victims:
@@ -364,12 +366,34 @@ def _freeze_then_kill(find):
     return len(stopped)
 
 
+def _await_state(pids, states, wait_s):
+    """Wait up to `wait_s` until each of `pids` is in one of `states` (letters of /proc/PID/stat) or gone."""
+    _poll_stats(pids, wait_s, 0.001, lambda pid, stat: _state(stat) in states)
+
+
 def _await_gone(pids, wait_s=2.0):
     """Wait (briefly) until killed processes are gone; as pid 1, reap those re-parented to us, so the
     sandbox holds no zombies of them once the answer is sent."""
+    me = os.getpid()
+
+    def settled(pid, stat):
+        if _state(stat) != b"Z":
+            return False  # not dead yet
+        if pid in _children:
+            return True  # our command: its Popen reaps it
+        if _parent(stat) == me and me == 1:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        return False  # gone at the next look
+
+    _poll_stats(pids, wait_s, 0.005, settled)
+
+
+def _poll_stats(pids, wait_s, interval_s, settled):
+    """Read /proc/PID/stat of each of `pids` until `settled(pid, stat)` or the process is gone, for at most
+    `wait_s`."""
     deadline = time.monotonic() + wait_s
     remaining = set(pids)
-    me = os.getpid()
     while remaining and time.monotonic() < deadline:
         for pid in list(remaining):
             try:
@@ -378,15 +402,14 @@ def _await_gone(pids, wait_s=2.0):
             except OSError:
                 remaining.discard(pid)  # gone
                 continue
-            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
-                continue  # not dead yet
-            if pid in _children:
-                remaining.discard(pid)  # our command: its Popen reaps it
-            elif _parent(stat) == me and me == 1:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
+            if settled(pid, stat):
+                remaining.discard(pid)
         if remaining:
-            time.sleep(0.005)
+            time.sleep(interval_s)
+
+
+def _state(stat):
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
 
 
 def _kill_group(pid):
@@ -571,7 +594,7 @@ def _reap_orphans():
         time.sleep(REAP_INTERVAL_S)
         with _children_lock:
             for pid, stat in _proc_files("stat"):
-                state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+                state = _state(stat)
                 if state == b"Z" and _parent(stat) == 1 and pid not in _children:
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, os.WNOHANG)

@@ -50,11 +50,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from sandboxes import errors
-from sandboxes.base import Sandbox, SandboxSpec
+from sandboxes import errors, processes
+from sandboxes.base import AGENT_SOURCE, Sandbox, SandboxSpec
 from sandboxes.cgroups import SandboxCgroup, cgroup_problem
 from sandboxes.channel import AgentChannel
-from sandboxes.owner import owner_tag
+from sandboxes.owner import owner_tag, this_owner
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class ProcessSandbox(Sandbox):
             try:
                 await asyncio.wait_for(process.wait(), timeout=2.0)
             except TimeoutError:
-                _kill_tree(process.pid)
+                _kill_tree(process.pid, self.name)
                 await process.wait()
         if self._stderr_task is not None:
             self._stderr_task.cancel()
@@ -149,7 +149,7 @@ class ProcessSandbox(Sandbox):
 
     def _destroy_now(self) -> None:
         if self._process is not None and self._process.returncode is None:
-            _kill_tree(self._process.pid)
+            _kill_tree(self._process.pid, self.name)
         if self._dir is not None:
             remove_tree(self._dir)
         if self._cgroup is not None:
@@ -192,7 +192,7 @@ class LocalSandbox(ProcessSandbox):
             assert self._dir is not None
             self._cgroup = await asyncio.to_thread(SandboxCgroup.create, self._dir.name, self.spec.limits)
             if self._cgroup is not None:
-                for pid in [self._process.pid, *_descendants(self._process.pid)]:
+                for pid in [self._process.pid, *processes.descendants(self._process.pid)]:
                     with contextlib.suppress(OSError):
                         self._cgroup.add(pid)
         return self
@@ -293,39 +293,28 @@ def _chmod_directory(path: str) -> None:
         os.close(fd)
 
 
-def _kill_group(pid: int) -> None:
+def _kill_tree(pid: int, sandbox: str) -> None:
+    """SIGKILL a sandbox's bwrap, every descendant (bwrap's namespace init is in a session of its own, so
+    its group alone would leave the sandbox running) and any process that runs this sandbox's executor.
+
+    Each is stopped, and seen stopped, before the next look at /proc, so that none can start a child
+    unseen: a bwrap killed after it cloned its namespace child but before it let that child go on leaves
+    the child waiting forever on bwrap's setup eventfd, out of the tree (its parent is gone). Its command
+    line is bwrap's, so the last look, by this sandbox's name and owner, finds it all the same."""
+    owner = this_owner()
+
+    def find() -> set[int]:
+        table = processes.parents()
+        mine = {
+            process.pid
+            for process in processes.executor_processes(AGENT_SOURCE[:80])
+            if process.owner == owner and process.sandbox == sandbox
+        }
+        return {pid, *processes.descendants(pid, table), *mine} & table.keys()
+
+    processes.stop_then_kill(find)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process, its group and every descendant (bwrap's namespace init is in a session of its
-    own, so its group alone would leave the sandbox running).
-
-    The process is stopped first, so it cannot start a child between the look at /proc and the kill: a
-    bwrap killed while it sets up would otherwise leave a namespace child that waits forever for it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGSTOP)
-    for victim in [*_descendants(pid), pid]:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(victim, signal.SIGKILL)
-    _kill_group(pid)
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below `root`, from /proc (parents first)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = Path(f"/proc/{entry}/stat").read_bytes()
-                parents[int(entry)] = int(stat[stat.rfind(b")") + 2 :].split()[1])
-    found: list[int] = []
-    frontier = {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
-        found += sorted(frontier)
-    return found
 
 
 @functools.cache

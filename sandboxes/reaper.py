@@ -12,7 +12,9 @@ this host is removed when its owner process no longer exists; one owned by anoth
 
 Local sandboxes are found three ways: the executor's command line carries its owner's tag (it is the
 sandbox's pid 1, so killing it ends the sandbox's every process), its directory is named after the owner,
-and so is its control group. Only processes whose command line is our executor's are ever killed.
+and so is its control group. Only processes whose command line is our executor's are ever killed: those
+whose owner is gone, and a bwrap stranded outside its sandbox's tree (a namespace child whose launcher was
+killed while setting it up waits forever, even while its owner lives).
 
 Run it with `harness sandbox reap`; each backend also runs it once when a process starts its first
 sandbox.
@@ -21,7 +23,6 @@ sandbox.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -29,7 +30,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sandboxes import processes
 from sandboxes.owner import Owner, this_owner
+from sandboxes.processes import ExecutorProcess
 
 
 def reap_containers(
@@ -54,8 +57,11 @@ def reap_containers(
     return reaped
 
 
-def reap_local_dirs(root: Path | None = None, *, dry_run: bool = False) -> list[Path]:
-    """Remove local sandbox directories whose owner process on this host is gone."""
+def reap_local_dirs(
+    root: Path | None = None, *, dry_run: bool = False, owner: Owner | None = None
+) -> list[Path]:
+    """Remove local sandbox directories whose owner process on this host is gone (only `owner`'s, if
+    given)."""
     from sandboxes.local import remove_tree, sandbox_root
 
     root = root or sandbox_root()
@@ -64,8 +70,8 @@ def reap_local_dirs(root: Path | None = None, *, dry_run: bool = False) -> list[
     host = this_owner().host
     reaped = []
     for path in sorted(root.iterdir()):
-        owner = Owner.from_tag(path.name.rsplit("-", 1)[0])
-        if owner is None or owner.host != host or owner.is_alive():
+        found = Owner.from_tag(path.name.rsplit("-", 1)[0])
+        if found is None or found.host != host or found.is_alive() or owner not in (None, found):
             continue
         if not dry_run:
             remove_tree(path)
@@ -73,18 +79,42 @@ def reap_local_dirs(root: Path | None = None, *, dry_run: bool = False) -> list[
     return reaped
 
 
-def reap_local_executors(*, dry_run: bool = False) -> list[int]:
-    """SIGKILL the executors of local sandboxes whose owner on this host is gone; return their pids."""
-    host = this_owner().host
+def reap_local_executors(*, dry_run: bool = False, owner: Owner | None = None) -> list[int]:
+    """SIGKILL the processes of local sandboxes whose owner on this host is gone, and strays: processes of
+    a sandbox whose parent is neither the owner nor another process of that sandbox (a namespace child
+    whose bwrap died while setting it up waits forever, whoever owns it); only `owner`'s, if given.
+    Returns their pids."""
     reaped = []
-    for pid, owner in _local_executors():
-        if owner.host != host or owner.is_alive():
+    for process in stray_or_orphaned_executors():
+        if owner not in (None, process.owner):
             continue
         if not dry_run:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        reaped.append(pid)
+                os.kill(process.pid, signal.SIGKILL)
+        reaped.append(process.pid)
     return reaped
+
+
+def stray_or_orphaned_executors() -> list[ExecutorProcess]:
+    """The executor processes on this host that the reaper kills (see reap_local_executors)."""
+    from sandboxes.base import AGENT_SOURCE
+
+    found = processes.executor_processes(AGENT_SOURCE[:80])
+    family = {(process.pid, process.owner, process.sandbox) for process in found}
+    host = this_owner().host
+    return [
+        process
+        for process in found
+        if process.owner.host == host
+        and (
+            not process.owner.is_alive()
+            or (
+                process.parent != process.owner.pid
+                and (process.parent, process.owner, process.sandbox) not in family
+                and process.program == "bwrap"
+            )
+        )
+    ]
 
 
 def reap_local_cgroups(*, dry_run: bool = False) -> list[Path]:
@@ -103,28 +133,6 @@ def reap_local_cgroups(*, dry_run: bool = False) -> list[Path]:
             with contextlib.suppress(OSError):
                 group.rmdir()
     return groups
-
-
-def _local_executors() -> list[tuple[int, Owner]]:
-    """(pid, owner) of every process on this host running our executor (its config names the owner)."""
-    from sandboxes.base import AGENT_SOURCE
-
-    signature = AGENT_SOURCE[:80]
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if len(argv) < 3 or not argv[-3].decode(errors="replace").startswith(signature):
-            continue
-        with contextlib.suppress(ValueError, AttributeError):
-            owner = Owner.from_tag(json.loads(argv[-2]).get("owner") or "")
-            if owner is not None:
-                found.append((int(entry), owner))
-    return found
 
 
 def _orphaned(labels: dict[str, str], host: str, other_hosts_older_than_s: float | None, names: dict) -> bool:

@@ -90,6 +90,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.skip(f"needs a running Docker engine ({problem})")
 
 
+@pytest.fixture(autouse=True)
+def _no_stray_sandbox_process(request: pytest.FixtureRequest):
+    """Every test: no process of a local sandbox is left that the reaper would have to kill (its owner gone,
+    or stranded outside its sandbox's tree). Found ones are killed, so the next test starts clean."""
+    yield
+    from leftovers import stray_sandbox_processes
+
+    if not stray_sandbox_processes(wait_s=0):
+        return  # the common case costs one look at /proc
+    strays = stray_sandbox_processes()
+    if strays:
+        from sandboxes.reaper import reap_local_executors
+
+        reap_local_executors()
+        pytest.fail(f"{request.node.nodeid} left sandbox processes behind: {strays}", pytrace=False)
+
+
 @pytest.fixture
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A fresh tiny byte-level BPE tokenizer with the tiny chat template (training is cached per process)."""

@@ -25,3 +25,30 @@ def live_children(*markers: str) -> list[str]:
         if int(parent) == os.getpid() and state not in "ZX" and any(m in cmdline for m in markers):
             found.append(cmdline)
     return found
+
+
+def stray_sandbox_processes(wait_s: float = 3.0) -> list[str]:
+    """Processes of local sandboxes that the reaper would kill (owner gone, or stranded out of their
+    sandbox's tree), after waiting up to `wait_s` for ones being torn down; described, for a message."""
+    import time
+
+    from sandboxes.reaper import stray_or_orphaned_executors
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = [p for p in stray_or_orphaned_executors() if (_state(p.pid) or "Z") not in "ZX"]
+        if not found or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return [
+        f"pid {p.pid} ({p.program}, parent {p.parent}, sandbox {p.sandbox}, owner {p.owner.pid})"
+        for p in found
+    ]
+
+
+def _state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2]

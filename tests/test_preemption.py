@@ -194,10 +194,12 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_no_sandbox_server_or
     assert (checkpoint / "rollout_state.json").exists()
     time.sleep(1)
     assert [pid for pid in descendants if _alive(pid)] == []
-    from sandboxes.reaper import _local_executors
+    from sandboxes import processes
+    from sandboxes.base import AGENT_SOURCE
 
     # a sandbox process of the run's, started after the look at its descendants (bwrap mid-setup included)
-    assert [pid for pid, owner in _local_executors() if owner.pid in descendants] == []
+    left = [p.pid for p in processes.executor_processes(AGENT_SOURCE[:80]) if p.owner.pid in descendants]
+    assert left == []
     after = set(sandbox_root().glob("*")) if sandbox_root().exists() else set()
     assert after <= before, f"sandbox directories left: {sorted(after - before)}"
     if backend == "docker":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,3 +215,66 @@ def test_the_reaper_kills_an_executor_whose_owner_is_gone_and_nothing_else(tmp_p
         for process in (lookalike, bystander):
             process.kill()
             process.wait()
+
+
+def stranded_namespace_child(sandbox) -> tuple[int, int]:
+    """A real bwrap, started as the local backend starts it, killed after it cloned its namespace child
+    but before it let the child go on (`--userns-block-fd` holds it right there): the child then waits
+    forever on bwrap's setup eventfd, its parent gone. Returns (the dead launcher's pid, the child's)."""
+    from sandboxes.local import NOBODY, _sandbox_python
+
+    directory = sandbox._make_dir()
+    etc = sandbox._write_identity_files(directory)
+    as_root = os.geteuid() == 0
+    if as_root:
+        os.chown(directory, NOBODY, NOBODY)
+    info_read, info_write = os.pipe()
+    block_read, block_write = os.pipe()
+    argv = [shutil.which("bwrap"), "--info-fd", str(info_write), "--userns-block-fd", str(block_read)]
+    argv += sandbox._bwrap_arguments(etc) + sandbox.agent_command(_sandbox_python(), sandbox.spec.workdir)
+    launcher = subprocess.Popen(
+        argv, pass_fds=(info_write, block_read), start_new_session=True, user=NOBODY if as_root else None
+    )
+    os.close(info_write)
+    os.close(block_read)
+    with os.fdopen(info_read) as info:
+        child = json.load(info)["child-pid"]
+    launcher.kill()
+    launcher.wait()
+    os.close(block_write)
+    time.sleep(0.1)
+    assert running(child), "bwrap's namespace child should be waiting for its dead launcher"
+    return launcher.pid, child
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap")
+async def test_a_namespace_child_stranded_by_its_bwrap_is_killed_by_close_and_by_the_reaper():
+    """The leak found after CI runs: a bwrap killed mid-setup leaves its namespace child waiting forever,
+    out of the launcher's tree. Killing the sandbox finds it by the sandbox's name; the reaper finds it by
+    its parent, though its owner (this process) is alive; a live sandbox beside it is left alone."""
+    from sandboxes.base import SandboxSpec
+    from sandboxes.local import LocalSandbox, _kill_tree
+
+    async with LocalSandbox(SandboxSpec()) as bystander:
+        stranded = LocalSandbox(SandboxSpec())
+        launcher, child = stranded_namespace_child(stranded)
+        _kill_tree(launcher, stranded.name)
+        assert not running(child)
+
+        other = LocalSandbox(SandboxSpec())
+        _, child = stranded_namespace_child(other)
+        assert child in reap_local_executors(dry_run=True)
+        assert reap_local_executors() == [child]
+        deadline = time.monotonic() + 5
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(child)
+        assert (await bystander.exec("echo alive")).stdout == "alive\n"
+        for sandbox in (stranded, other):
+            sandbox._destroy_now()

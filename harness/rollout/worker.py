@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.types import GroupResult
+from sandboxes.owner import Owner, process_start_ticks, this_owner
+
+log = logging.getLogger(__name__)
 
 WORKER_PROCESS_NAME = "rollout-worker"
 MAIN_GUARD_HINT = (
@@ -215,6 +218,7 @@ class RolloutWorker:
         self._context = multiprocessing.get_context("spawn")
         self.channels = WorkerChannels.create(self._context, initial_token_allowance)
         self._process: Any = None
+        self._owner: Owner | None = None  # the worker as the owner its sandboxes name
         self.finished = False
 
     # --- lifecycle ------------------------------------------------------------------------------------
@@ -234,6 +238,8 @@ class RolloutWorker:
             raise RolloutWorkerError(
                 f"the rollout worker died while it started ({type(exc).__name__}); {MAIN_GUARD_HINT}"
             ) from exc
+        pid = self._process.pid
+        self._owner = Owner(this_owner().host, pid, process_start_ticks(pid) or 0)
 
     def stop(self, graceful_s: float = 30.0) -> None:
         """Stop the worker: ask, then SIGTERM, then SIGKILL. Idempotent."""
@@ -253,6 +259,7 @@ class RolloutWorker:
             self._process.kill()
             self._process.join()
         self._process = None
+        self._reap_sandboxes()
         # Not read again: a process killed mid-write can leave half a message in the pipe.
         for channel in (
             self.channels.rollout_buffer,
@@ -260,6 +267,23 @@ class RolloutWorker:
             self.channels.exception_info_queue,
         ):
             channel.close()
+
+    def _reap_sandboxes(self) -> None:
+        """What of the worker's local sandboxes outlived it: a sandbox it was starting as it died can leave a
+        bwrap namespace child that waits forever, and a SIGKILL skips its cleanup. The reaper finds them
+        by their owner, the worker, now gone."""
+        from sandboxes.reaper import reap_local_dirs, reap_local_executors
+
+        if self._owner is None:
+            return
+        killed = reap_local_executors(owner=self._owner)
+        removed = reap_local_dirs(owner=self._owner)
+        if killed or removed:
+            log.warning(
+                "the rollout worker left %d sandbox processes and %d sandbox directories: removed",
+                len(killed),
+                len(removed),
+            )
 
     def __enter__(self) -> RolloutWorker:
         self.start()
