@@ -203,3 +203,23 @@ def test_stale_samples_free_their_allowance_at_once(tmp_path):
     # raised as soon as the stale group was dropped, before any step: its packed tokens count as consumed
     assert worker.allowances[0] == stale.num_tokens + 1 * BUDGET
     assert trainer.counters.tokens_consumed == pytest.approx(stale.num_tokens + group(1).num_tokens)
+
+
+def test_leftovers_that_an_update_made_too_old_are_dropped_before_the_next_step(tmp_path):
+    """A sample fresh when pulled but left over for a later step is checked again then: with
+    max_staleness=0 (sync) a step trains only the current policy's samples."""
+    worker = ScriptedWorker([group(i) for i in range(8)], held_when_empty=True)
+    trainer = trainer_with(worker, tmp_path, max_staleness=0)
+    assert stepped_groups(trainer._plan_step()) == [{0, 1, 2}]
+    (leftover,) = {s.group_id for s in trainer.pending}
+    trainer.counters.model_version = 1  # the step's update; the groups still queued are newer
+    for remaining in worker.groups:
+        for sample in remaining.samples:
+            sample.model_version = 1
+    consumed = trainer.counters.tokens_consumed
+    second = trainer._plan_step()
+    assert leftover not in set().union(*stepped_groups(second))
+    assert all(s.model_version == 1 for mb in second["micro_batches"] for row in mb for s in row)
+    assert trainer.window.summary()["sample/dropped_stale_count"] == GROUP
+    # the dropped group's share is given back: it counts as consumed, as a trained one would
+    assert trainer.counters.tokens_consumed >= consumed + group(leftover).num_tokens - 1e-6

@@ -527,6 +527,7 @@ class AsyncGRPOTrainer(Trainer):
         args: AsyncGRPOConfig = self.args
         window = self.window
         assert self._token_budget is not None  # train() sets it from the config or the server
+        self._drop_stale_pending()
         nothing_coming, plan = False, None
         while True:
             if self._stopping:
@@ -599,6 +600,21 @@ class AsyncGRPOTrainer(Trainer):
             "forwarded_tokens": forwarded,
             "trained_tokens": trained,
         }
+
+    def _drop_stale_pending(self) -> None:
+        """Drop the samples left over from earlier steps that the updates since made too old: fresh when
+        pulled, they must not train more than max_staleness versions behind (with 0, a sync run trains
+        only on the current policy's samples)."""
+        version, bound = self.counters.model_version, self.args.max_staleness
+        stale = [sample for sample in self.pending if version - sample.model_version > bound]
+        if not stale:
+            return
+        self.pending = [sample for sample in self.pending if version - sample.model_version <= bound]
+        for sample in stale:
+            self.ledger.settled(sample, trained=False)
+        self.window.add("sample/dropped_stale_count", len(stale))
+        self.counters.tokens_consumed += _token_shares(stale)
+        self._raise_allowance()
 
     def _pull(self, timeout_s: float) -> bool:
         """Take a group result from the worker: keep fresh samples, drop the stale, track prompt positions.
