@@ -17,6 +17,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -332,27 +334,35 @@ async def test_every_tool_metric_the_readme_lists_is_logged_by_a_real_rollout(tm
 SLEEP_COMMAND = "sleep 37.25"  # unusual enough to find among other people's processes
 
 
-class StuckRewardEnv(Environment):
-    """An environment whose sync get_reward does not return (until the test lets it go, 30 s at most)."""
+class StuckHookEnv(Environment):
+    """An environment whose sync hook named by `stuck` (reset or get_reward) does not return (until the
+    test lets it go, 30 s at most)."""
 
-    manifest = Manifest(name="stuck-reward", reward_names=("never",), episode_timeout_s=1.5)
+    manifest = Manifest(name="stuck-hook", reward_names=("never",), episode_timeout_s=1.5)
     release: ClassVar[threading.Event] = threading.Event()
+    stuck: ClassVar[str] = "get_reward"
 
     def reset(self, **row) -> str:
+        if StuckHookEnv.stuck == "reset":
+            StuckHookEnv.release.wait(30)
         return "Say anything."
 
     def get_reward(self) -> float:
-        StuckRewardEnv.release.wait(30)
+        if StuckHookEnv.stuck == "get_reward":
+            StuckHookEnv.release.wait(30)
         return 1.0
 
 
-async def test_a_sync_get_reward_that_never_returns_is_bounded_by_the_episode_timeout(tmp_path):
+@pytest.mark.parametrize("hook", ["reset", "get_reward"])
+async def test_a_sync_hook_that_never_returns_is_bounded_by_the_episode_timeout(tmp_path, hook, monkeypatch):
     """The hook runs on a daemon thread the episode's timeout abandons: its rollouts end typed
     EpisodeTimeout at episode_timeout_s, and the loop finishes without waiting for the thread."""
+    monkeypatch.setattr(StuckHookEnv, "stuck", hook)
+    monkeypatch.setattr(StuckHookEnv, "release", threading.Event())
     loop = make_loop(
         lambda prompt, call: "an answer",
         loop_cls=RecordingLoop,
-        env=StuckRewardEnv,
+        env=StuckHookEnv,
         tmp_path=tmp_path,
         num_generations=2,
         max_steps=1,
@@ -362,11 +372,42 @@ async def test_a_sync_get_reward_that_never_returns_is_bounded_by_the_episode_ti
         await run_groups(loop, 1)
         elapsed = time.monotonic() - started
     finally:
-        StuckRewardEnv.release.set()
+        StuckHookEnv.release.set()
     rollouts = all_rollouts(loop)
     assert [rollout.error_type for rollout in rollouts] == ["EpisodeTimeout", "EpisodeTimeout"]
     assert 1.5 <= elapsed < 10, elapsed
     assert metrics(loop)["rollout/failed/EpisodeTimeout_count"] == 2
+
+
+HOOKS_NEVER_RETURN = """
+import threading, anyio
+from harness.rollout.env_pool import call_hook
+from tools.threads import DaemonThreadPool
+
+def reset(**row):
+    threading.Event().wait()
+
+def get_reward():
+    threading.Event().wait()
+
+async def main():
+    threads = DaemonThreadPool(4, name="hooks")
+    for hook in (reset, get_reward):
+        with anyio.move_on_after(0.2) as scope:
+            await call_hook(hook, threads=threads)
+        print(hook.__name__, "abandoned" if scope.cancelled_caught else "returned", flush=True)
+
+anyio.run(main)
+"""
+
+
+def test_sync_hooks_that_never_return_do_not_hold_the_process_at_exit():
+    """Abandoned by their timeout, hung sync reset and get_reward leave the process free to exit."""
+    done = subprocess.run(
+        [sys.executable, "-c", HOOKS_NEVER_RETURN], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["reset", "abandoned", "get_reward", "abandoned"]
 
 
 class SleepyShellEnv(Environment):
