@@ -138,16 +138,21 @@ def train_policy(out_dir: Path, policy: str, resume: bool) -> dict[str, Any]:
         "sharded": all(isinstance(p, DTensor) for p in trainer.model.parameters()),
         "lora": any(".lora_A." in name for name, _ in trainer.model.named_parameters()),
         "worker_start_index": worker.loop_kwargs["dataset_start_index"] if worker else None,
+        "owns_worker": worker is not None,
         "worker_joined": worker is None or worker._process is None,
         "live_children": live_children("harness.server", "spawn_main"),  # the server, the worker
     }
 
 
 def rank_main(out_dir: Path, launch: str) -> None:
+    """One rank of a launch: "first" or "resume", both policies; "nodes-first" or "nodes-resume" (the
+    2-node run), the full policy only."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    records = {policy: train_policy(out_dir, policy, resume=launch == "resume") for policy in POLICIES}
+    policies = ("full",) if launch.startswith("nodes-") else POLICIES
+    resume = launch.endswith("resume")
+    records = {policy: train_policy(out_dir, policy, resume=resume) for policy in policies}
     rank = dist.get_rank()
     with open(out_dir / f"{launch}-rank{rank}.pkl", "wb") as handle:
         pickle.dump(records, handle)
@@ -158,33 +163,53 @@ def rank_main(out_dir: Path, launch: str) -> None:
 # --- the test ----------------------------------------------------------------------------------------------
 
 
-def torchrun(out_dir: Path, launch: str) -> list[dict[str, Any]]:
-    """Two ranks of `rank_main` under torchrun (gloo on CPU); each rank's records."""
+def torchrun(out_dir: Path, launch: str, *, nodes: int = 1) -> list[dict[str, Any]]:
+    """`rank_main` under torchrun (gloo on CPU), two processes per node; each rank's records. With several
+    nodes, one launcher per node on this machine, as on a cluster: a static rendezvous at localhost."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        __file__,
-        str(out_dir),
-        launch,
-    ]
-    log_path = out_dir / f"{launch}.log"
-    with open(log_path, "w") as log:
-        process = subprocess.run(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=300
-        )
-    assert process.returncode == 0, f"torchrun {launch} failed:\n{log_path.read_text()[-8000:]}"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    if nodes == 1:
+        commands = [[*launcher, "--standalone"]]
+    else:
+        port = free_port()
+        rendezvous = ["--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        nodes_flags = ["--nnodes", str(nodes), "--node_rank"]
+        commands = [[*launcher, *rendezvous, *nodes_flags, str(node)] for node in range(nodes)]
+    logs = [out_dir / f"{launch}-node{node}.log" for node in range(len(commands))]
+    processes = []
+    for command, log_path in zip(commands, logs, strict=True):
+        with open(log_path, "w") as log:
+            processes.append(
+                subprocess.Popen(
+                    [*command, __file__, str(out_dir), launch],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                )
+            )
+    try:
+        codes = [process.wait(timeout=600) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for code, log_path in zip(codes, logs, strict=True):
+        assert code == 0, f"torchrun {launch} failed:\n{log_path.read_text()[-8000:]}"
     records = []
-    for rank in range(2):
+    for rank in range(2 * nodes):
         with open(out_dir / f"{launch}-rank{rank}.pkl", "rb") as handle:
             records.append(pickle.load(handle))
     return records
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def logged(record: dict[str, Any]) -> dict[str, list[float]]:
@@ -204,13 +229,15 @@ def check_run(ranks: list[dict[str, Any]], *, start: int, end: int, lora: bool) 
         assert record["sharded"] and record["lora"] == lora
         assert record["worker_joined"] and record["live_children"] == []
         assert record["served_folder_removed"]
-    # both ranks gather the same full weights, at the start and at the end, and training moved them
-    rank0, rank1 = ranks
-    assert max_abs_diff(rank0["parameters"], rank1["parameters"]) == 0
-    assert max_abs_diff(rank0["start_parameters"], rank1["start_parameters"]) == 0
+    # every rank gathers the same full weights, at the start and at the end, and training moved them
+    rank0, *others = ranks
+    for other in others:
+        assert max_abs_diff(rank0["parameters"], other["parameters"]) == 0
+        assert max_abs_diff(rank0["start_parameters"], other["start_parameters"]) == 0
+        assert other["served"] is None and not other["owns_worker"]
     assert max_abs_diff(rank0["parameters"], rank0["start_parameters"]) > 1e-4
     # the server's folder holds the policy's weights (LoRA merged in); only rank 0 writes one
-    assert max_abs_diff(rank0["served"], rank0["parameters"]) == 0 and rank1["served"] is None
+    assert max_abs_diff(rank0["served"], rank0["parameters"]) == 0 and rank0["owns_worker"]
     metrics = logged(rank0)
     for name in LOGGED:
         assert len(metrics.get(name, [])) == end - start, name
@@ -293,6 +320,30 @@ def test_train_checkpoint_and_resume_in_two_gloo_processes(tmp_path):
         last = tmp_path / policy / f"checkpoint-{RESUMED_STEPS}"
         assert json.loads((last / "rollout_state.json").read_text())["global_step"] == RESUMED_STEPS
         assert max_abs_diff(checkpoint_parameters(model_dir, last, lora), ranks[0]["parameters"]) <= 1e-6
+
+
+def test_train_checkpoint_and_resume_on_two_nodes_of_two_processes(tmp_path):
+    """`torchrun --nnodes 2 --nproc_per_node 2`, both launchers on this machine (a static rendezvous at
+    localhost, as a cluster's nodes would meet at the first node's address): a whole train() with a
+    checkpoint, then fresh launchers resume it. Rank 0 alone owns the rollout worker and the server; the
+    output folder is what the nodes share."""
+    from harness.testing import build_tiny_qwen3, build_tiny_tokenizer
+
+    model_dir = tmp_path / "model"
+    build_tiny_qwen3().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+
+    first = torchrun(tmp_path, "nodes-first", nodes=2)
+    check_run([rank["full"] for rank in first], start=0, end=FIRST_STEPS, lora=False)
+    checkpoint = tmp_path / "full" / f"checkpoint-{SAVE_STEPS}"
+    state = json.loads((checkpoint / "rollout_state.json").read_text())
+
+    resumed = torchrun(tmp_path, "nodes-resume", nodes=2)
+    ranks = [rank["full"] for rank in resumed]
+    check_run(ranks, start=SAVE_STEPS, end=RESUMED_STEPS, lora=False)
+    saved = checkpoint_parameters(model_dir, checkpoint, lora=False)
+    assert max_abs_diff(ranks[0]["start_parameters"], saved) <= 1e-6
+    assert ranks[0]["worker_start_index"] == state["trained_position"]
 
 
 if __name__ == "__main__":
