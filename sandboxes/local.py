@@ -138,6 +138,9 @@ class ProcessSandbox(Sandbox):
             except TimeoutError:
                 _kill_tree(process.pid, self.name)
                 await process.wait()
+        # What outlived the launcher, or a launcher we never got a handle on: asyncio kills the process it
+        # was creating when the start is cancelled then, and --die-with-parent kills it if its thread ends.
+        await asyncio.to_thread(_kill_tree, None, self.name)
         if self._stderr_task is not None:
             self._stderr_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -148,8 +151,8 @@ class ProcessSandbox(Sandbox):
             self._cgroup.remove()
 
     def _destroy_now(self) -> None:
-        if self._process is not None and self._process.returncode is None:
-            _kill_tree(self._process.pid, self.name)
+        process = self._process
+        _kill_tree(process.pid if process is not None and process.returncode is None else None, self.name)
         if self._dir is not None:
             remove_tree(self._dir)
         if self._cgroup is not None:
@@ -293,9 +296,10 @@ def _chmod_directory(path: str) -> None:
         os.close(fd)
 
 
-def _kill_tree(pid: int, sandbox: str) -> None:
-    """SIGKILL a sandbox's bwrap, every descendant (bwrap's namespace init is in a session of its own, so
-    its group alone would leave the sandbox running) and any process that runs this sandbox's executor.
+def _kill_tree(pid: int | None, sandbox: str) -> None:
+    """SIGKILL a sandbox's bwrap (`pid`, if any), every descendant (bwrap's namespace init is in a session of
+    its own, so its group alone would leave the sandbox running) and any process that runs this sandbox's
+    executor. With nothing to kill it costs one look at /proc.
 
     Each is stopped, and seen stopped, before the next look at /proc, so that none can start a child
     unseen: a bwrap killed after it cloned its namespace child but before it let that child go on leaves
@@ -310,11 +314,15 @@ def _kill_tree(pid: int, sandbox: str) -> None:
             for process in processes.executor_processes(AGENT_SOURCE[:80])
             if process.owner == owner and process.sandbox == sandbox
         }
-        return {pid, *processes.descendants(pid, table), *mine} & table.keys()
+        tree = {pid, *processes.descendants(pid, table)} if pid is not None else set()
+        return (tree | mine) & table.keys()
 
+    if pid is None and not find():
+        return
     processes.stop_then_kill(find)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 @functools.cache

@@ -257,7 +257,8 @@ def anyio_backend():
 async def test_a_namespace_child_stranded_by_its_bwrap_is_killed_by_close_and_by_the_reaper():
     """The leak found after CI runs: a bwrap killed mid-setup leaves its namespace child waiting forever,
     out of the launcher's tree. Killing the sandbox finds it by the sandbox's name; the reaper finds it by
-    its parent, though its owner (this process) is alive; a live sandbox beside it is left alone."""
+    its parent, though its owner (this process) is alive; closing a sandbox that never got its process
+    finds it too; a live sandbox beside it is left alone."""
     from sandboxes.base import SandboxSpec
     from sandboxes.local import LocalSandbox, _kill_tree
 
@@ -265,6 +266,13 @@ async def test_a_namespace_child_stranded_by_its_bwrap_is_killed_by_close_and_by
         stranded = LocalSandbox(SandboxSpec())
         launcher, child = stranded_namespace_child(stranded)
         _kill_tree(launcher, stranded.name)
+        assert not running(child)
+
+        # a sandbox whose launcher was killed before the sandbox had a handle on it (asyncio kills the
+        # process it is creating when the start is cancelled then): close() still finds the child
+        unstarted = LocalSandbox(SandboxSpec())
+        _, child = stranded_namespace_child(unstarted)
+        await unstarted.close()
         assert not running(child)
 
         other = LocalSandbox(SandboxSpec())
