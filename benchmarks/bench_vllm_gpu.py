@@ -21,8 +21,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -33,9 +31,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import contextlib
 
 from bench_trainer import build
+
+from harness.testing.servers import start_vllm_process, stop_process_group
 
 REWARDS = '''
 def token_reward(completion_ids, **kwargs):
@@ -73,54 +72,18 @@ target_modules = "all-linear"
 """
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_vllm(model_dir: str, log_path: Path, timeout_s: float) -> tuple[subprocess.Popen, str, float]:
-    port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     flags = [
         "--model", model_dir, "--served-model-name", "policy-base", "--dtype", "bfloat16",
         "--max-model-len", "4096", "--logprobs-mode", "processed_logprobs",
         "--gpu-memory-utilization", "0.35", "--enable-lora", "--max-loras", "8", "--max-lora-rank", "16",
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
-        "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     started = time.monotonic()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM exited ({process.returncode}):\n{log_path.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return process, url, time.monotonic() - started
-        except OSError as exc:
-            if time.monotonic() - started > timeout_s:
-                stop(process)
-                tail = log_path.read_text()[-4000:]
-                raise RuntimeError(f"vLLM not healthy in {timeout_s:.0f} s:\n{tail}") from exc
-            time.sleep(2)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags]
+    process, url = start_vllm_process(argv, log_path, env=env, timeout_s=timeout_s, poll_s=2.0)
+    return process, url, time.monotonic() - started
 
 
 def check_bodies(version: str) -> dict[str, str]:
@@ -227,7 +190,7 @@ def main() -> None:
         chosen = re.findall(r"weight sync: .*", (out / "train.log").read_text(errors="replace"))
         summary["weight_sync_choice"] = chosen[:1]
     finally:
-        stop(process)
+        stop_process_group(process)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(
         f"train: rc {summary.get('train_returncode')}, {summary.get('train_wall_s')} s; "

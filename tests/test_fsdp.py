@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -271,14 +270,10 @@ def rank_steps(
 # --- the tests --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(tmp_path: Path, mode: str, world: int = 2) -> list[dict[str, Any]]:
     """Run `world` ranks of `rank_main` as subprocesses (gloo on CPU, NCCL on GPUs); their results."""
+    from harness.testing.servers import free_port
+
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")

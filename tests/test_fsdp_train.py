@@ -173,6 +173,8 @@ def torchrun(out_dir: Path, launch: str, *, nodes: int = 1) -> list[dict[str, An
     if nodes == 1:
         commands = [[*launcher, "--standalone"]]
     else:
+        from harness.testing.servers import free_port
+
         port = free_port()
         rendezvous = ["--rdzv_backend", "static", "--master_addr", "127.0.0.1", "--master_port", str(port)]
         nodes_flags = ["--nnodes", str(nodes), "--node_rank"]
@@ -202,14 +204,6 @@ def torchrun(out_dir: Path, launch: str, *, nodes: int = 1) -> list[dict[str, An
         with open(out_dir / f"{launch}-rank{rank}.pkl", "rb") as handle:
             records.append(pickle.load(handle))
     return records
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def logged(record: dict[str, Any]) -> dict[str, list[float]]:

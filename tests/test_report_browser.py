@@ -9,9 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from test_run_records import HOSTILE, record, write_run
-
-from harness.report import build_report
+from test_run_records import report_of_a_run
 
 pytestmark = pytest.mark.browser
 
@@ -33,16 +31,7 @@ def chromium(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def report(tmp_path):
-    rollouts = [record(i) for i in range(6)] + [
-        record(
-            6,
-            completion=[{"role": "assistant", "content": HOSTILE}],
-            status="failed",
-            error_type="ParseError",
-        )
-    ]
-    write_run(tmp_path, rollouts)
-    return build_report(tmp_path)
+    return report_of_a_run(tmp_path, 6)
 
 
 def test_the_report_renders_its_curves_and_opens_a_rollout(report, tmp_path):

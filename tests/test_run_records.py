@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from test_rollout_loop import exact_reverse, make_loop, prompt_rows, run_groups
@@ -154,17 +155,21 @@ def write_run(tmp_path, rollouts: list[dict]) -> None:
         log.write(rollouts)
 
 
+def report_of_a_run(tmp_path, num_rollouts: int) -> Path:
+    """The report of a run folder (write_run) with `num_rollouts` rollouts and, last, one failed rollout
+    whose completion is hostile markup."""
+    hostile = record(
+        num_rollouts,
+        completion=[{"role": "assistant", "content": HOSTILE}],
+        status="failed",
+        error_type="ParseError",
+    )
+    write_run(tmp_path, [record(i) for i in range(num_rollouts)] + [hostile])
+    return build_report(tmp_path)
+
+
 def test_the_report_draws_each_curve_and_carries_the_rollouts_inert(tmp_path):
-    rollouts = [record(i) for i in range(8)] + [
-        record(
-            8,
-            completion=[{"role": "assistant", "content": HOSTILE}],
-            status="failed",
-            error_type="ParseError",
-        )
-    ]
-    write_run(tmp_path, rollouts)
-    path = build_report(tmp_path)
+    path = report_of_a_run(tmp_path, 8)
     page = path.read_text()
     assert path == tmp_path / "report.html"
     for metric in ("reward", "rewards/correct/mean", "loss", "entropy", "clip_ratio/region_mean",

