@@ -252,6 +252,7 @@ def test_varlen_runs_new_row_lengths_without_compiling():
 
     model = prepare_model_for_tree_attention(build_tiny_qwen3().to(CUDA))
     torch._dynamo.reset()
+    captured = torch._dynamo.utils.counters["stats"]["calls_captured"]  # cumulative: earlier flex tests count
     for length in (40, 333, 1500):
         samples = [sample(list(range(10, 10 + length)), [20 + j, 21, 22, 23]) for j in range(4)]
         row = pack_row(samples).to(CUDA)
@@ -264,4 +265,4 @@ def test_varlen_runs_new_row_lengths_without_compiling():
         varlen_error = (varlen.float() - reference).abs().max().item()
         dense_error = (dense.float() - reference).abs().max().item()
         assert varlen_error <= 2 * dense_error + 1e-3, (length, varlen_error, dense_error)
-    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 0
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == captured
