@@ -46,6 +46,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -241,8 +242,9 @@ def main() -> None:
     staleness = {} if args.max_staleness is None else {"max_staleness": args.max_staleness}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dtype = torch.bfloat16 if gpu else torch.float32
+    output_dir = tempfile.mkdtemp(prefix="bench-trainer-out-")  # removed once the run ends
     config = AsyncGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trainer-out-"),
+        output_dir=output_dir,
         max_steps=args.steps,
         num_generations=8,
         max_completion_length=args.max_completion_length or (128 if gpu else 12),
@@ -274,7 +276,10 @@ def main() -> None:
     )
     num_params = sum(p.numel() for p in trainer.model.parameters())
     started = time.monotonic()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
     wall_s = time.monotonic() - started
     if world > 1:
         torch.distributed.destroy_process_group()  # before exit, so NCCL's watchdog thread stops cleanly

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -123,6 +124,7 @@ def main() -> None:
                 )
         del model
         torch.cuda.empty_cache()
+        shutil.rmtree(directory, ignore_errors=True)  # a model of gigabytes per preset
         if args.out:  # after each preset, so a cut run keeps what it measured
             Path(args.out).write_text(json.dumps(results, indent=2))
 
