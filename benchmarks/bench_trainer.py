@@ -11,10 +11,10 @@ Two layouts on a 2-GPU machine, and one on a single GPU:
     CPU smoke test: python benchmarks/bench_trainer.py --preset tiny --steps 2 --device cpu
 
 `--ab` runs the same benchmark twice, one process after the other (fresh CUDA state each): async, at
-`--max-staleness` (default 2), then sync (max_staleness=0: a sample of an older policy is dropped when
-it arrives, and generation runs ahead by at most one step's tokens); it prints the two side by side and
-writes both summaries, the command line, the versions and the GPU to `--out`. The H200 run, one GPU
-shared:
+`--max-staleness` (default 2), then sync (max_staleness=0: a step trains only samples of the current
+policy, older ones are dropped, and generation runs ahead by at most one step's tokens); it prints the
+two side by side and writes both summaries, the command line, the versions and the GPU to `--out`. The
+H200 run, one GPU shared:
 
     python benchmarks/bench_trainer.py --ab --preset qwen3-1.7b --server-device cuda:0 --steps 12 \
         --token-budget 16384 --max-completion-length 64 --max-concurrent-rollouts 256 \
