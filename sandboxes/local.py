@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxes import errors, processes
-from sandboxes.base import AGENT_SOURCE, Sandbox, SandboxSpec
+from sandboxes.base import Sandbox, SandboxSpec
 from sandboxes.cgroups import SandboxCgroup, cgroup_problem
 from sandboxes.channel import AgentChannel
 from sandboxes.owner import owner_tag, this_owner
@@ -311,7 +311,7 @@ def _kill_tree(pid: int | None, sandbox: str) -> None:
         table = processes.parents()
         mine = {
             process.pid
-            for process in processes.executor_processes(AGENT_SOURCE[:80])
+            for process in processes.executor_processes()
             if process.owner == owner and process.sandbox == sandbox
         }
         tree = {pid, *processes.descendants(pid, table)} if pid is not None else set()

@@ -57,9 +57,12 @@ def descendants(root: int, table: dict[int, int] | None = None) -> list[int]:
     return found
 
 
-def executor_processes(signature: str) -> list[ExecutorProcess]:
-    """Every process on the host whose command line runs the executor whose source starts with
-    `signature` and whose config names an owner."""
+def executor_processes() -> list[ExecutorProcess]:
+    """Every process on the host whose command line runs our executor (`sandboxes/agent.py`, passed as
+    source) with a config that names an owner."""
+    from sandboxes.base import AGENT_SOURCE  # base reads agent.py at import; imported once used
+
+    signature = AGENT_SOURCE[:80]
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

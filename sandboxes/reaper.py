@@ -97,9 +97,7 @@ def reap_local_executors(*, dry_run: bool = False, owner: Owner | None = None) -
 
 def stray_or_orphaned_executors() -> list[ExecutorProcess]:
     """The executor processes on this host that the reaper kills (see reap_local_executors)."""
-    from sandboxes.base import AGENT_SOURCE
-
-    found = processes.executor_processes(AGENT_SOURCE[:80])
+    found = processes.executor_processes()
     family = {(process.pid, process.owner, process.sandbox) for process in found}
     host = this_owner().host
     return [

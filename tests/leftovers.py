@@ -32,11 +32,12 @@ def stray_sandbox_processes(wait_s: float = 3.0) -> list[str]:
     sandbox's tree), after waiting up to `wait_s` for ones being torn down; described, for a message."""
     import time
 
+    from sandboxes.processes import state
     from sandboxes.reaper import stray_or_orphaned_executors
 
     deadline = time.monotonic() + wait_s
     while True:
-        found = [p for p in stray_or_orphaned_executors() if (_state(p.pid) or "Z") not in "ZX"]
+        found = [p for p in stray_or_orphaned_executors() if (state(p.pid) or "Z") not in "ZX"]
         if not found or time.monotonic() > deadline:
             break
         time.sleep(0.05)
@@ -44,11 +45,3 @@ def stray_sandbox_processes(wait_s: float = 3.0) -> list[str]:
         f"pid {p.pid} ({p.program}, parent {p.parent}, sandbox {p.sandbox}, owner {p.owner.pid})"
         for p in found
     ]
-
-
-def _state(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2]

@@ -195,10 +195,9 @@ def test_sigterm_stops_the_run_with_a_checkpoint_and_leaves_no_sandbox_server_or
     time.sleep(1)
     assert [pid for pid in descendants if _alive(pid)] == []
     from sandboxes import processes
-    from sandboxes.base import AGENT_SOURCE
 
     # a sandbox process of the run's, started after the look at its descendants (bwrap mid-setup included)
-    left = [p.pid for p in processes.executor_processes(AGENT_SOURCE[:80]) if p.owner.pid in descendants]
+    left = [p.pid for p in processes.executor_processes() if p.owner.pid in descendants]
     assert left == []
     after = set(sandbox_root().glob("*")) if sandbox_root().exists() else set()
     assert after <= before, f"sandbox directories left: {sorted(after - before)}"
