@@ -3,7 +3,8 @@
 The rollout worker is a spawned process, which re-imports the training script. Before, such a script's
 spawned worker died and the trainer blocked forever inside Process.start(); now it fails within seconds
 with a message naming the guard: at train() when the script trains at import time, and when the worker
-dies while it starts when the script only builds its trainer at import time.
+dies while it starts when the script only builds its trainer at import time, or trains from a helper
+the import-time check cannot see, with a dataset too large to fit in the pipe spawn writes into.
 """
 
 from __future__ import annotations
@@ -57,3 +58,23 @@ def test_a_trainer_built_at_import_time_fails_the_worker_with_the_guard_named(tm
     assert done.returncode != 0
     assert "a trainer was created inside the rollout worker" in done.stderr  # the worker's own error
     assert "RolloutWorkerError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+
+
+def test_a_helper_that_trains_at_import_time_with_a_large_dataset_fails_instead_of_hanging(
+    tmp_path, tiny_model_dir
+):
+    # The check at train() looks for `.train(` at the top level only; here a helper trains. The dataset
+    # (about 400 kB pickled) is far more than a pipe holds, which is what made Process.start() hang.
+    tail = (
+        "def run():\n"
+        "    big = Dataset.from_dict({'prompt': [[{'role': 'user', 'content': 'hi ' * 20}]] * 4000})\n"
+        f"    trainer = AsyncGRPOTrainer({tiny_model_dir!r}, reward_funcs=length_reward, args=args,\n"
+        "                               train_dataset=big)\n"
+        "    trainer.train()\n"
+        "run()\n"
+    )
+    done = run_script(tmp_path, tiny_model_dir, tail)
+    assert done.returncode != 0
+    assert "a trainer was created inside the rollout worker" in done.stderr
+    assert "RolloutWorkerError" in done.stderr and 'if __name__ == "__main__":' in done.stderr
+    assert not list(tmp_path.glob("agent-harness-worker-*"))

@@ -30,6 +30,7 @@ import pickle
 import queue
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Mapping
@@ -126,12 +127,14 @@ class WorkerChannels:
         )
 
 
-def worker_main(
-    loop_cls: type, loop_kwargs: dict[str, Any], channels: WorkerChannels, log_level: int | None = None
-) -> None:
-    """The worker process's entry point (module level, so it pickles for spawn). `log_level`: the parent's,
+def worker_main(payload_path: str, channels: WorkerChannels, log_level: int | None = None) -> None:
+    """The worker process's entry point (module level, so it pickles for spawn). `payload_path`: the
+    pickled loop class and its arguments, which the worker deletes once read; `log_level`: the parent's,
     when it logs somewhere (spawn starts with logging unconfigured)."""
     channels.entered_event.set()
+    with open(payload_path, "rb") as payload:
+        loop_cls, loop_kwargs = pickle.load(payload)
+    os.unlink(payload_path)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if log_level is not None:
         logging.basicConfig(
@@ -218,6 +221,7 @@ class RolloutWorker:
         self._context = multiprocessing.get_context("spawn")
         self.channels = WorkerChannels.create(self._context, initial_token_allowance)
         self._process: Any = None
+        self._payload: Path | None = None  # the loop's arguments, until the worker has read them
         self._owner: Owner | None = None  # the worker as the owner its sandboxes name
         self.finished = False
 
@@ -226,15 +230,24 @@ class RolloutWorker:
     def start(self) -> None:
         check_main_guard()
         check_picklable(self.loop_cls, self.loop_kwargs)
+        # The loop's arguments (the dataset among them) go through a private file, so what spawn writes
+        # into the child's pipe stays small: Process.start() writes it whole and, holding the pipe's read
+        # end itself, blocks forever once it outgrows the pipe if the child died before reading it (a
+        # training script without a main guard), instead of returning so `check` can say why.
+        descriptor, path = tempfile.mkstemp(prefix="agent-harness-worker-", suffix=".pickle")
+        self._payload = Path(path)
+        with os.fdopen(descriptor, "wb") as payload:
+            pickle.dump((self.loop_cls, self.loop_kwargs), payload)
         self._process = self._context.Process(
             target=worker_main,
-            args=(self.loop_cls, self.loop_kwargs, self.channels, _parent_log_level()),
+            args=(path, self.channels, _parent_log_level()),
             name=WORKER_PROCESS_NAME,
             daemon=True,
         )
         try:
             self._process.start()
         except (BrokenPipeError, EOFError) as exc:  # the child died while it re-imported the script
+            self._payload.unlink(missing_ok=True)
             raise RolloutWorkerError(
                 f"the rollout worker died while it started ({type(exc).__name__}); {MAIN_GUARD_HINT}"
             ) from exc
@@ -259,6 +272,8 @@ class RolloutWorker:
             self._process.kill()
             self._process.join()
         self._process = None
+        if self._payload is not None:
+            self._payload.unlink(missing_ok=True)  # a worker that died before reading it
         self._reap_sandboxes()
         # Not read again: a process killed mid-write can leave half a message in the pipe.
         for channel in (
