@@ -13,6 +13,10 @@ Models: `tiny` (the 2-layer test Qwen3), `smollm2` (SmolLM2-135M-Instruct from l
     python benchmarks/bench_generation.py --model tiny smollm2 --device cpu --out results.json
     python benchmarks/bench_generation.py --model qwen3-0.6b-random --device cuda --max-tokens 128
 
+With --group-size G each prompt is sent G times, as a GRPO group's rollouts are (the server's prefix cache
+then computes the shared prompt once); --compare-prefix-caching also measures the server with its prefix
+cache off, on the same prompts.
+
 Prints a markdown table; --out also writes the numbers as JSON.
 
 Measured (generated tokens/s; 2 waves of C requests per level, 64 new tokens after ~32-token prompts on
@@ -89,13 +93,17 @@ def build_model(name: str, device: str) -> tuple[Any, int]:
     return model, model.config.get_text_config().vocab_size
 
 
-def make_prompts(num: int, vocab_size: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(
+    num: int, vocab_size: int, prompt_len: int, seed: int = 0, group_size: int = 1
+) -> list[list[int]]:
+    """`num` prompts of about `prompt_len` random tokens, each distinct one repeated `group_size` times."""
     rng = random.Random(seed)
     high = min(vocab_size, 30000) - 1
-    return [
+    distinct = [
         [rng.randint(10, high) for _ in range(prompt_len + rng.randint(-prompt_len // 4, prompt_len // 4))]
-        for _ in range(num)
+        for _ in range(-(-num // group_size))
     ]
+    return [prompt for prompt in distinct for _ in range(group_size)][:num]
 
 
 async def drive_server(base_url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> int:
@@ -135,7 +143,12 @@ async def drive_server(base_url: str, prompts: list[list[int]], concurrency: int
 
 
 def bench_server(
-    model: Any, prompts: list[list[int]], concurrency: int, max_tokens: int, max_model_len: int
+    model: Any,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    max_model_len: int,
+    enable_prefix_caching: bool = True,
 ) -> dict:
     from harness.server.app import EmbeddedServer
     from harness.server.state import ServerConfig, ServerState
@@ -145,6 +158,7 @@ def bench_server(
         max_model_len=max_model_len,
         max_num_seqs=max(concurrency, 1),
         kv_cache_tokens=max(concurrency, 1) * max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
     )
     state = ServerState.from_model(model, config)
     with EmbeddedServer(state) as server:
@@ -154,8 +168,14 @@ def bench_server(
         tokens = asyncio.run(drive_server(server.base_url, prompts, concurrency, max_tokens))
         _sync(model)
         elapsed = time.perf_counter() - start
+        stats = state.engine.stats()
     model.set_attn_implementation("sdpa")  # the engine switched it; generate needs a standard one
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "prefix_cache_hit_rate": stats.num_prefix_cache_hits / max(1, stats.num_prefix_cache_queries),
+    }
 
 
 def _sync(model: Any) -> None:
@@ -206,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--prompt-len", type=int, default=32, help="mean prompt length in tokens")
     parser.add_argument("--waves", type=int, default=2, help="requests per level = waves x concurrency")
+    parser.add_argument("--group-size", type=int, default=1, help="requests per distinct prompt")
+    parser.add_argument(
+        "--compare-prefix-caching", action="store_true", help="also run the server with its prefix cache off"
+    )
     parser.add_argument("--skip-generate", action="store_true", help="measure the server only")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -216,9 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         model, vocab_size = build_model(name, args.device)
         max_model_len = args.prompt_len * 2 + args.max_tokens + 8
         for concurrency in args.concurrency:
-            prompts = make_prompts(args.waves * concurrency, vocab_size, args.prompt_len, seed=concurrency)
+            prompts = make_prompts(
+                args.waves * concurrency, vocab_size, args.prompt_len, concurrency, args.group_size
+            )
             row: dict[str, Any] = {"model": name, "device": args.device, "concurrency": concurrency}
             row["server"] = bench_server(model, prompts, concurrency, args.max_tokens, max_model_len)
+            if args.compare_prefix_caching:
+                row["server_no_prefix_cache"] = bench_server(
+                    model, prompts, concurrency, args.max_tokens, max_model_len, enable_prefix_caching=False
+                )
             if not args.skip_generate:
                 row["generate"] = bench_generate(model, prompts, concurrency, args.max_tokens)
             results.append(row)
@@ -235,18 +265,23 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "prompt_len": args.prompt_len,
         "waves": args.waves,
+        "group_size": args.group_size,
     }
     print(f"\n{meta}\n")
-    print("| model | device | concurrency | server tok/s | model.generate tok/s | server / generate |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| model | device | concurrency | server tok/s | prefix hits | server, no prefix cache, tok/s "
+        "| model.generate tok/s | server / generate |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in results:
         server = row["server"]["tokens_per_s"]
+        plain = row.get("server_no_prefix_cache", {}).get("tokens_per_s")
         generate = row.get("generate", {}).get("tokens_per_s")
         ratio = f"{server / generate:.2f}" if generate else "-"
-        generate_text = f"{generate:.0f}" if generate else "-"
         print(
-            f"| {row['model']} | {row['device']} | {row['concurrency']} "
-            f"| {server:.0f} | {generate_text} | {ratio} |"
+            f"| {row['model']} | {row['device']} | {row['concurrency']} | {server:.0f} "
+            f"| {row['server']['prefix_cache_hit_rate']:.0%} | {f'{plain:.0f}' if plain else '-'} "
+            f"| {f'{generate:.0f}' if generate else '-'} | {ratio} |"
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

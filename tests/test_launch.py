@@ -27,7 +27,13 @@ def test_builtin_server_subprocess_serves_and_stops(tiny_model_dir, tmp_path, ca
             return completion.output_ids
 
     with open_generation_server(
-        None, model=tiny_model_dir, max_model_len=512, device="cpu", log_path=log_path, timeout_s=120
+        None,
+        model=tiny_model_dir,
+        max_model_len=512,
+        device="cpu",
+        num_threads=1,
+        log_path=log_path,
+        timeout_s=120,
     ) as url:
         assert anyio.run(generate, url)
         (line,) = [r.getMessage() for r in caplog.records if "generation server" in r.getMessage()]
@@ -38,6 +44,7 @@ def test_builtin_server_subprocess_serves_and_stops(tiny_model_dir, tmp_path, ca
 
         os.kill(pid, 0)  # gone: stopped with the context
     assert "harness serve" in log_path.read_text()
+    assert "(torch.float32, 1 threads)" in log_path.read_text()  # --num-threads reached torch
 
 
 def test_an_external_url_is_used_as_is(caplog):
@@ -68,3 +75,25 @@ def test_the_port_folder_is_gone_once_the_server_answers(tiny_model_dir):
     killed while the server runs leaves no temporary folder behind."""
     with start_builtin_server(tiny_model_dir, device="cpu", timeout_s=120) as server:
         assert not server._workdir.exists()
+
+
+def test_a_cpu_server_beside_cpu_training_gets_half_the_cores(monkeypatch):
+    import torch
+
+    from harness.training.generation_side import split_cpu_threads
+    from harness.training.processes import Processes
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    with split_cpu_threads(Processes(rank=0, world_size=1)) as server_threads:
+        assert (server_threads, torch.get_num_threads()) == (4, 4)
+    assert torch.get_num_threads() == before
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two training processes on this host share the other half
+    with split_cpu_threads(Processes(rank=1, world_size=2)) as server_threads:
+        assert (server_threads, torch.get_num_threads()) == (4, 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user placed threads: leave them
+    with split_cpu_threads(Processes(rank=0, world_size=1)) as server_threads:
+        assert server_threads is None and torch.get_num_threads() == before
+    assert torch.get_num_threads() == before

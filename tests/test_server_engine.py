@@ -10,28 +10,13 @@ import threading
 
 import pytest
 import torch
+from engine_requests import run_requests
 
 from harness.server.engine import Engine, GenerationOutput
 from harness.server.sampling import SamplingParams
 from harness.testing import build_tiny_qwen3
 
 MAX_MODEL_LEN = 64
-
-
-def run_requests(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[GenerationOutput]:
-    outputs: dict[str, GenerationOutput] = {}
-    done = threading.Event()
-
-    def on_done(result: GenerationOutput | BaseException) -> None:
-        assert isinstance(result, GenerationOutput), result
-        outputs[result.request_id] = result
-        if len(outputs) == len(prompts):
-            done.set()
-
-    for i, prompt in enumerate(prompts):
-        engine.submit(prompt, params, on_done, request_id=str(i))
-    assert done.wait(30)
-    return [outputs[str(i)] for i in range(len(prompts))]
 
 
 def assert_greedy_matches(model: torch.nn.Module, output: GenerationOutput) -> None:

@@ -253,7 +253,8 @@ def build_app(state: ServerState) -> web.Application:
         return web.json_response({"version": f"agent-harness-{__version__}"})
 
     async def reset_prefix_cache(request: web.Request) -> web.Response:
-        return web.Response(status=200)  # no prefix cache to reset
+        await run_on_engine(state.engine.reset_prefix_cache)
+        return web.Response(status=200)
 
     async def init_weight_transfer_engine(request: web.Request) -> web.Response:
         from harness.weight_sync.wire import BroadcastGroup

@@ -50,6 +50,18 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         help="KV-cache budget in tokens (default: half the free device memory; CPU: of available RAM)",
     )
     parser.add_argument(
+        "--num-threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads (default: torch's choice; the trainer gives a CPU server half the cores)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the keys of prompt prefixes seen before, as vLLM does (default: on)",
+    )
+    parser.add_argument(
         "--max-logprobs", type=int, default=20, help="largest top-k logprobs per token (default: 20)"
     )
     parser.add_argument("--enable-lora", action="store_true", help="accept LoRA adapters at run time")
@@ -100,6 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_tokens=args.kv_cache_tokens,
+            num_threads=args.num_threads,
+            enable_prefix_caching=args.enable_prefix_caching,
             max_logprobs=args.max_logprobs,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,

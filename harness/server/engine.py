@@ -51,6 +51,7 @@ from harness.server.kv_cache import (
     forward_context,
     register_attention,
 )
+from harness.server.prefix_cache import MISS, PrefixCache, PrefixHit, StoredPrefix
 from harness.server.sampling import RequestRandom, SamplingParams, sample_next_tokens
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits: int = 0  # of those, tokens whose keys were reused
+    prefix_cache_enabled: bool = False
     num_finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
     kv_cache_tokens: int = 0
     kv_cache_allocated_bytes: int = 0
@@ -146,7 +150,9 @@ class Engine:
         eos_token_ids: Tokens that end a request (unless it sets ignore_eos).
         max_num_seqs: Most requests decoded at once.
         max_num_batched_tokens: Most prompt tokens prefilled in one step (one longer prompt still goes alone).
-        kv_cache_tokens: KV budget in tokens (rows x longest sequence); at least max_model_len.
+        kv_cache_tokens: KV budget in tokens (rows x longest sequence, and the prefix cache's store beside
+            them); at least max_model_len.
+        enable_prefix_caching: Reuse the keys of prompt prefixes seen before (`prefix_cache.py`).
     """
 
     def __init__(
@@ -158,6 +164,7 @@ class Engine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         kv_cache_tokens: int,
+        enable_prefix_caching: bool = True,
     ) -> None:
         check_model_supported(model)
         if kv_cache_tokens < max_model_len:
@@ -184,6 +191,7 @@ class Engine:
             max_length=max_model_len,
             capacity_tokens=kv_cache_tokens,
         )
+        self.prefix_cache = PrefixCache(self.cache) if enable_prefix_caching else None
         self._running: list[_Request] = []  # index = cache row
         self._waiting: deque[_Request] = deque()
         self._inbox: queue.SimpleQueue[_Request] = queue.SimpleQueue()
@@ -324,6 +332,15 @@ class Engine:
         for request in invalidated:
             request.num_cached = 0
         self._counters.num_preemptions += len(invalidated)
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the stored prefixes (/reset_prefix_cache); running requests keep their rows."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            for request in self._running:
+                if request.num_cached:
+                    self.prefix_cache.add_running(request)
 
     def bump_weight_version(self) -> None:
         self._counters.weight_version += 1
@@ -416,6 +433,9 @@ class Engine:
             num_preemptions=counters.num_preemptions,
             num_prompt_tokens=counters.num_prompt_tokens,
             num_generation_tokens=counters.num_generation_tokens,
+            num_prefix_cache_queries=counters.num_prefix_cache_queries,
+            num_prefix_cache_hits=counters.num_prefix_cache_hits,
+            prefix_cache_enabled=self.prefix_cache is not None,
             num_finished=dict(counters.num_finished),
             kv_cache_tokens=self.cache.capacity_tokens,
             kv_cache_allocated_bytes=self.cache.allocated_bytes,
@@ -431,15 +451,36 @@ class Engine:
         self._fit_budget()
         to_prefill = [row for row, r in enumerate(self._running) if r.num_cached == 0]
         budget = self.max_num_batched_tokens
-        chosen: list[int] = []
+        chosen: list[tuple[int, PrefixHit]] = []
+        twins: list[tuple[int, int]] = []  # (row, index in chosen of the request with the same tokens)
+        same_tokens: dict[tuple[int, tuple[int, ...]], int] = {}
+        first_blocks: set[int] = set()
         for row in to_prefill:
-            size = len(self._running[row].tokens)
+            request = self._running[row]
+            hit = MISS
+            if self.prefix_cache is not None:
+                key = (id(request.adapter), tuple(request.tokens))
+                if key in same_tokens:  # a group's rollouts: one prefill, its keys and logits shared
+                    twins.append((row, same_tokens[key]))
+                    continue
+                hit = self.prefix_cache.lookup(request.tokens, request.adapter)
+                first = self.prefix_cache.first_block(request.tokens, request.adapter)
+                if hit.length == 0 and first is not None and self.device.type == "cpu":
+                    if first in first_blocks:
+                        # Shares a prefix with a request prefilled in this step: take it from that one's
+                        # row in the next step instead of computing it twice now. Only on CPU, where
+                        # compute is the cost; on CUDA a step is bound by launching kernels, and the extra
+                        # step would cost more than the recomputed prefix.
+                        continue
+                    first_blocks.add(first)
+                same_tokens[key] = len(chosen)
+            size = len(request.tokens) - hit.length
             if chosen and size > budget:
                 break
-            chosen.append(row)
+            chosen.append((row, hit))
             budget -= size
         if chosen:
-            self._prefill(chosen)
+            self._prefill(chosen, twins)
         if any(r.num_cached == len(r.tokens) - 1 for r in self._running):
             self._decode()
 
@@ -476,6 +517,9 @@ class Engine:
             self._waiting.appendleft(request)
             self._counters.num_preemptions += 1
 
+    def _row_of(self, request: Any) -> int:
+        return next(row for row, running in enumerate(self._running) if running is request)
+
     def _release_row(self, row: int) -> _Request:
         """Take the request out of `row`, moving the last row's request (and its cache) into the hole."""
         request = self._running[row]
@@ -498,24 +542,38 @@ class Engine:
             for adapter, indices in groups.values()
         ]
 
-    def _prefill(self, rows: list[int]) -> None:
+    def _prefill(self, chosen: list[tuple[int, PrefixHit]], twins: list[tuple[int, int]]) -> None:
+        """Prefill the chosen rows (each after its prefix hit, if any) in one forward; each twin (a row
+        whose tokens equal those of chosen[index]) then gets that row's keys and samples from its logits."""
+        rows = [row for row, _ in chosen]
         requests = [self._running[row] for row in rows]
-        lengths = [len(r.tokens) for r in requests]
+        starts = [hit.length for _, hit in chosen]
+        lengths = [len(r.tokens) - start for r, start in zip(requests, starts, strict=True)]
         num_batch, num_tokens = len(rows), max(lengths)
         self.cache.reserve(len(self._running), max(len(r.tokens) for r in self._running))
+        self._copy_prefixes(chosen)
         device = self.device
         input_ids = torch.zeros((num_batch, num_tokens), dtype=torch.long)
         for b, request in enumerate(requests):
-            input_ids[b, num_tokens - lengths[b] :] = torch.tensor(request.tokens)
-        length_B = torch.tensor(lengths)
+            input_ids[b, num_tokens - lengths[b] :] = torch.tensor(request.tokens[starts[b] :])
+        length_B, start_B = torch.tensor(lengths), torch.tensor(starts)
         token_T = torch.arange(num_tokens)
         pad_B = num_tokens - length_B
         valid_BT = token_T[None, :] >= pad_B[:, None]
-        position_BT = (token_T[None, :] - pad_B[:, None]).clamp(min=0)
-        causal_TT = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
-        mask = valid_BT[:, None, None, :] & causal_TT[None, None]
-        # A padding query attends to itself only, so its softmax has something to normalise (no NaN).
-        mask |= (~valid_BT)[:, None, :, None] & torch.eye(num_tokens, dtype=torch.bool)[None, None]
+        position_BT = (start_B[:, None] + token_T[None, :] - pad_B[:, None]).clamp(min=0)
+        kv_length = 0
+        if any(starts):  # queries attend over their rows: the copied prefix and the new keys
+            kv_length = max(len(r.tokens) for r in requests)
+            key_L = torch.arange(kv_length)
+            mask = valid_BT[:, :, None] & (key_L[None, None, :] <= position_BT[:, :, None])
+            # A padding query attends to position 0 only, so its softmax has something to normalise.
+            mask |= (~valid_BT)[:, :, None] & (key_L == 0)[None, None, :]
+            mask = mask[:, None]
+        else:
+            causal_TT = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+            mask = valid_BT[:, None, None, :] & causal_TT[None, None]
+            # A padding query attends to itself only, so its softmax has something to normalise (no NaN).
+            mask |= (~valid_BT)[:, None, :, None] & torch.eye(num_tokens, dtype=torch.bool)[None, None]
         write_b, write_t = valid_BT.nonzero(as_tuple=True)
         batch = ForwardBatch(
             mode="prefill",
@@ -525,13 +583,37 @@ class Engine:
             write_token_N=write_t.to(device),
             write_position_N=position_BT[write_b, write_t].to(device),
             attn_mask=mask.to(device),
+            kv_length=kv_length,
             lora_groups=self._lora_groups(requests),
         )
         logits = self._forward(batch, input_ids.to(device), position_BT.to(device))
-        for request in requests:
+        entries = list(zip(rows, requests, strict=True))
+        for row, index in twins:
+            twin = self._running[row]
+            self.cache.move_row(rows[index], row, len(twin.tokens))
+            entries.append((row, twin))
+            starts.append(len(twin.tokens))
+        if twins:
+            logits = torch.cat([logits, logits[torch.tensor([index for _, index in twins], device=device)]])
+        for (_, request), start in zip(entries, starts, strict=True):
             request.num_cached = len(request.tokens)
             self._counters.num_prompt_tokens += len(request.tokens)
-        self._sample(list(zip(rows, requests, strict=True)), logits)
+            if self.prefix_cache is not None:
+                self._counters.num_prefix_cache_queries += len(request.tokens)
+                self._counters.num_prefix_cache_hits += start
+                self.prefix_cache.add_running(request)
+        self._sample(entries, logits)
+
+    def _copy_prefixes(self, chosen: list[tuple[int, PrefixHit]]) -> None:
+        """Copy each hit's cached positions into its request's row; then let the store shrink to fit
+        beside rows the cache may just have grown."""
+        for row, hit in chosen:
+            if isinstance(hit.source, StoredPrefix):
+                self.cache.load_row(row, hit.source.keys, hit.source.values, hit.length)
+            elif hit.source is not None:
+                self.cache.move_row(self._row_of(hit.source), row, hit.length)
+        if self.prefix_cache is not None:
+            self.prefix_cache.trim()
 
     def _decode(self) -> None:
         requests = list(self._running)
@@ -539,6 +621,8 @@ class Engine:
         lengths = [len(r.tokens) for r in requests]
         kv_length = max(lengths)
         self.cache.reserve(num_rows, kv_length)
+        if self.prefix_cache is not None:
+            self.prefix_cache.trim()
         device = self.device
         length_B = torch.tensor(lengths)
         batch = ForwardBatch(
@@ -594,6 +678,8 @@ class Engine:
             if self._stop_reason(request, token) is not None:
                 finished_rows.append(row)
         for row in sorted(finished_rows, reverse=True):
+            if self.prefix_cache is not None:  # keep its keys before the row is refilled
+                self.prefix_cache.retire(self._running[row], row)
             request = self._release_row(row)
             reason = self._stop_reason(request, request.tokens[-1])
             assert reason is not None  # the row finished for this reason
@@ -610,6 +696,8 @@ class Engine:
         return None
 
     def _finish(self, request: _Request, reason: FinishReason, stop_reason: int | None = None) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(request)
         self._counters.num_finished[reason] += 1
         wants_logprobs = request.params.num_logprobs is not None
         output = GenerationOutput(

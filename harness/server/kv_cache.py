@@ -12,9 +12,11 @@ Layout: one dense row per running request, `[rows, kv_heads, length, head_dim]` 
 values. The engine keeps running requests in rows 0..n-1 (a finished request's row is refilled by moving
 the last row into it), so a decode step attends over a plain slice of the cache, with no gather. Prefill
 runs a left-padded batch of new requests with ordinary causal attention over their fresh keys, and writes
-those keys into the requests' rows. Storage grows by doubling up to `max_rows x max_length`; the engine
-keeps `rows x longest sequence` within the token budget it was given (`capacity_tokens`), preempting the
-newest request when a step would exceed it.
+those keys into the requests' rows; when some of them start from a prefix copied in by the prefix cache
+(`prefix_cache.py`), their queries attend over their rows (the copied positions and the fresh ones).
+Storage grows by doubling up to `max_rows x max_length`; the engine keeps `rows x longest sequence` within
+the token budget it was given (`capacity_tokens`), preempting the newest request when a step would exceed
+it.
 
 Supported models: decoder-only transformers models whose attention modules carry `layer_idx` and use the
 `AttentionInterface` (Llama, Qwen2, Qwen3, Mistral without sliding window, SmolLM2, ...) with full attention
@@ -46,8 +48,9 @@ class UnsupportedModelError(ValueError):
 class ForwardBatch:
     """What one forward pass tells the attention function (index tensors live on the model's device).
 
-    A prefill batch holds new requests, left-padded to `num_tokens` positions; a decode batch holds one new
-    token for each of the cache rows 0..num_rows-1.
+    A prefill batch holds the tokens still to compute of new requests, left-padded to `num_tokens`
+    positions (a request whose prefix came from the prefix cache starts after it); a decode batch holds
+    one new token for each of the cache rows 0..num_rows-1.
 
     Attributes:
         mode: "prefill" or "decode".
@@ -55,8 +58,11 @@ class ForwardBatch:
         rows_B: Cache row of each batch entry.
         write_batch_N, write_token_N, write_position_N: For each real (non-padding) new token: its batch
             entry, its index in the padded batch and its position in the sequence (where its key is stored).
-        attn_mask: Boolean, True where a query may attend: [B, 1, T, T] for prefill, [B, 1, 1, L] for decode.
-        kv_length: Decode only: the number of cache positions attended (the longest sequence in the batch).
+        attn_mask: Boolean, True where a query may attend: [B, 1, T, T] for a prefill of fresh requests,
+            [B, 1, T, L] for one where some continue a cached prefix, [B, 1, 1, L] for decode.
+        kv_length: The number of cache positions attended (the longest sequence in the batch) for decode,
+            and for a prefill that continues cached prefixes; 0 for a prefill of fresh requests, which
+            attends over the new keys only.
         lora_groups: For LoRA adapters used in this batch: (adapter, batch entries that use it).
     """
 
@@ -179,6 +185,21 @@ class RowKVCache:
             for layer in range(self.num_layers):
                 store[layer][target, :, :length] = store[layer][source, :, :length]
 
+    def copy_row(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the first `length` positions of `row`, per layer [kv_heads, length, head_dim]."""
+        keys = [store[row, :, :length].clone() for store in self._keys]
+        return keys, [store[row, :, :length].clone() for store in self._values]
+
+    def load_row(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        """Write the first `length` positions of per-layer keys and values (as from `copy_row`) into `row`."""
+        for layer in range(self.num_layers):
+            self._keys[layer][row, :, :length] = keys[layer][:, :length]
+            self._values[layer][row, :, :length] = values[layer][:, :length]
+
+    def gather(self, layer: int, rows_B: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the rows `rows_B`, positions 0..length-1: [B, kv_heads, length, head_dim]."""
+        return self._keys[layer][rows_B, :, :length], self._values[layer][rows_B, :, :length]
+
     def release(self) -> None:
         """Free the storage (the next `reserve` allocates afresh)."""
         self._keys, self._values = [], []
@@ -225,12 +246,14 @@ def row_cache_attention(
     cache = batch.cache
     cache.write(layer, batch, key, value)
     if batch.mode == "prefill":
-        num_batch, _, num_tokens, head_dim = key.shape
+        if batch.kv_length:  # some requests continue a cached prefix: attend over their whole rows
+            key, value = cache.gather(layer, batch.rows_B, batch.kv_length)
+        num_batch, _, num_keys, head_dim = key.shape
         if group > 1:
-            key = key[:, :, None].expand(num_batch, num_kv_heads, group, num_tokens, head_dim)
-            key = key.reshape(num_batch, num_heads, num_tokens, head_dim)
-            value = value[:, :, None].expand(num_batch, num_kv_heads, group, num_tokens, head_dim)
-            value = value.reshape(num_batch, num_heads, num_tokens, head_dim)
+            key = key[:, :, None].expand(num_batch, num_kv_heads, group, num_keys, head_dim)
+            key = key.reshape(num_batch, num_heads, num_keys, head_dim)
+            value = value[:, :, None].expand(num_batch, num_kv_heads, group, num_keys, head_dim)
+            value = value.reshape(num_batch, num_heads, num_keys, head_dim)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.attn_mask, scale=scaling)
         return out.transpose(1, 2), None
     # Decode: one query per row. The query heads that share a key head become that head's "query positions",

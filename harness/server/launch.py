@@ -102,6 +102,7 @@ def start_builtin_server(
     device: str = "auto",
     dtype: str = "auto",
     max_model_len: int | None = None,
+    num_threads: int | None = None,
     extra_args: Sequence[str] = (),
     timeout_s: float = 600.0,
     log_path: str | Path | None = None,
@@ -112,7 +113,7 @@ def start_builtin_server(
     Args:
         model: Model folder to serve.
         host, port: Where it listens (port 0: a free port, read back from the server).
-        device, dtype, max_model_len: As `harness serve`'s flags.
+        device, dtype, max_model_len, num_threads: As `harness serve`'s flags.
         extra_args: More `harness serve` flags (e.g. ["--enable-lora"]).
         timeout_s: How long to wait for /health (loading a model can take a while).
         log_path: File for the server's stdout and stderr; default: inherit this process's.
@@ -137,6 +138,7 @@ def start_builtin_server(
         dtype,
         "--exit-with-parent",
         *(["--max-model-len", str(max_model_len)] if max_model_len else []),
+        *(["--num-threads", str(num_threads)] if num_threads else []),
         *extra_args,
     ]
     log_file: IO[bytes] | None = None

@@ -71,6 +71,18 @@ def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -
         [(base, stats.num_generation_tokens)],
     )
     metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        [(base, stats.num_prefix_cache_queries)],
+    )
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        [(base, stats.num_prefix_cache_hits)],
+    )
+    metric(
         "vllm:request_success_total",
         "counter",
         "Count of successfully processed requests.",
@@ -82,7 +94,7 @@ def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -
     cache_labels = {
         "block_size": str(BLOCK_SIZE_TOKENS),
         "cache_dtype": "auto",
-        "enable_prefix_caching": "False",
+        "enable_prefix_caching": str(stats.prefix_cache_enabled),
         "engine": "0",
         "kv_cache_max_concurrency": repr(stats.kv_cache_tokens / max_model_len),
         "kv_cache_size_tokens": str(stats.kv_cache_tokens),

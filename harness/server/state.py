@@ -51,6 +51,10 @@ class ServerConfig:
     """Most prompt tokens prefilled in one step."""
     kv_cache_tokens: int | None = None
     """KV-cache budget in tokens; default: half the free device memory (CPU: of available RAM, <= 8 GiB)."""
+    num_threads: int | None = None
+    """torch's CPU threads (torch.set_num_threads); default: torch's own choice."""
+    enable_prefix_caching: bool = True
+    """Reuse the keys of prompt prefixes seen before (a group's shared prompt, earlier turns), as vLLM."""
     max_logprobs: int = 20
     """Largest `logprobs` (top-k per token) a request may ask for."""
     enable_lora: bool = False
@@ -65,6 +69,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -104,6 +110,8 @@ class ServerState:
 
         from harness.model_loading import load_model
 
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         device = resolve_device(config.device)
         if config.dtype == "auto":
             dtype: Any = "auto" if device.type == "cuda" else torch.float32
@@ -118,6 +126,8 @@ class ServerState:
         cls, model: PreTrainedModel, config: ServerConfig, *, tokenizer: PreTrainedTokenizerBase | None = None
     ) -> ServerState:
         """Serve an already loaded model (on its device, in eval mode), e.g. a tiny test model."""
+        import torch
+
         from harness.server.engine import Engine
         from harness.server.lora import LoraManager
 
@@ -133,13 +143,15 @@ class ServerState:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             kv_cache_tokens=kv_cache_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         engine.start()
         logger.info(
-            "engine ready: %s on %s (%s), max_model_len %d, KV budget %d tokens, max_num_seqs %d",
+            "engine ready: %s on %s (%s%s), max_model_len %d, KV budget %d tokens, max_num_seqs %d",
             type(model).__name__,
             model.device,
             model.dtype,
+            f", {torch.get_num_threads()} threads" if model.device.type == "cpu" else "",
             max_model_len,
             kv_cache_tokens,
             config.max_num_seqs,

@@ -1,0 +1,39 @@
+"""Submitting requests straight to a server engine (no HTTP) and waiting for them: shared by the engine
+tests."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+from harness.server.engine import Engine, GenerationOutput
+from harness.server.sampling import SamplingParams
+
+_batches = itertools.count()
+
+
+def run_requests(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    *,
+    adapter: Any = None,
+    timeout_s: float = 60.0,
+) -> list[GenerationOutput]:
+    """Submit every prompt at once (one SamplingParams for all, or one each); the outputs in prompt order."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    batch = next(_batches)
+    outputs: dict[str, GenerationOutput] = {}
+    done = threading.Event()
+
+    def on_done(result: GenerationOutput | BaseException) -> None:
+        assert isinstance(result, GenerationOutput), result
+        outputs[result.request_id] = result
+        if len(outputs) == len(prompts):
+            done.set()
+
+    for i, (prompt, param) in enumerate(zip(prompts, each, strict=True)):
+        engine.submit(prompt, param, on_done, request_id=f"{batch}-{i}", adapter=adapter)
+    assert done.wait(timeout_s)
+    return [outputs[f"{batch}-{i}"] for i in range(len(prompts))]
