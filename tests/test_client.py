@@ -154,6 +154,18 @@ def test_metrics_of_two_engines_reduce_as_the_spec_says():
     }
 
 
+def test_the_builtin_servers_prefix_cache_counters_are_read():
+    from harness.server.engine import EngineStats
+    from harness.server.metrics import render_metrics
+
+    stats = EngineStats(num_prefix_cache_queries=1200, num_prefix_cache_hits=900, kv_cache_tokens=4096)
+    load = ServerLoad.from_text(render_metrics(stats, model_name="m", max_model_len=512))
+    assert (load.prefix_cache_queries, load.prefix_cache_hits) == (1200, 900)
+    # A dump without the counters (this vLLM fixture) leaves them unknown rather than zero.
+    legacy = ServerLoad.from_text((FIXTURES / "metrics_legacy.txt").read_text())
+    assert legacy.prefix_cache_queries is None and legacy.prefix_cache_hits is None
+
+
 def test_metrics_of_an_older_vllm_use_gpu_cache_usage():
     load = ServerLoad.from_text((FIXTURES / "metrics_legacy.txt").read_text())
     assert load == ServerLoad(
@@ -417,3 +429,31 @@ def test_waiting_for_a_server_that_never_comes_up_times_out():
 
     with pytest.raises(ServerUnavailableError, match="not ready in time"):
         run(main)
+
+
+def test_the_worker_logs_the_prefix_cache_hit_share_of_each_poll_interval():
+    from types import SimpleNamespace
+
+    from harness.metrics import MetricsWindow
+    from harness.rollout.loop import AsyncRolloutLoop
+
+    counters = iter([(1000, 600), (1000, 600), (3000, 2400)])  # cumulative (queries, hits) per poll
+
+    class Client:
+        async def server_load(self) -> ServerLoad:
+            queries, hits = next(counters)
+            return ServerLoad(0.5, 4, 0, 0, 4096, prefix_cache_queries=queries, prefix_cache_hits=hits)
+
+    loop = SimpleNamespace(
+        client=Client(),
+        cap=SimpleNamespace(update=lambda load: None, value=8),
+        rollout_slots=SimpleNamespace(total_tokens=8),
+        window=MetricsWindow(),
+    )
+    shares = []
+    for _ in range(3):
+        run(AsyncRolloutLoop._poll_server, loop)
+        shares.append(loop.window.summary().get("rollout/vllm_prefix_cache_hit_frac"))
+        loop.window.reset()
+    # 600 of 1000 tokens, then no new prompt tokens (nothing logged), then 1800 of the next 2000.
+    assert shares == [pytest.approx(0.6), None, pytest.approx(0.9)]

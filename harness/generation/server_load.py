@@ -78,6 +78,8 @@ class ServerLoad:
         num_preemptions: Cumulative preemptions, summed over engines.
         kv_cache_tokens: KV-cache size in tokens (num_gpu_blocks x block_size summed over engines; None when
             the server does not say).
+        prefix_cache_queries, prefix_cache_hits: Cumulative prompt tokens looked up in the prefix cache and
+            found there, summed over engines (None when the server does not count them).
     """
 
     kv_cache_usage: float | None
@@ -85,6 +87,8 @@ class ServerLoad:
     num_waiting: int
     num_preemptions: int
     kv_cache_tokens: int | None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
 
     @classmethod
     def from_text(cls, text: str) -> ServerLoad:
@@ -116,6 +120,8 @@ class ServerLoad:
                 sum(values("vllm:num_preemptions_total") or values("vllm:num_preemptions"))
             ),
             kv_cache_tokens=kv_tokens or None,
+            prefix_cache_queries=_total(values("vllm:prefix_cache_queries_total")),
+            prefix_cache_hits=_total(values("vllm:prefix_cache_hits_total")),
         )
 
     def to_metrics(self) -> dict[str, float]:
@@ -128,6 +134,10 @@ class ServerLoad:
         if self.kv_cache_usage is not None:
             metrics["rollout/vllm_kv_cache_usage_frac"] = self.kv_cache_usage
         return metrics
+
+
+def _total(values: list[float]) -> int | None:
+    return round(sum(values)) if values else None
 
 
 __all__ = ["MetricsParseError", "Sample", "ServerLoad", "parse_prometheus"]

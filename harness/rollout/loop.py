@@ -664,6 +664,14 @@ class AsyncRolloutLoop:
         previous = getattr(self, "_preemptions", load.num_preemptions)
         self.window.add("rollout/vllm_preemption_count", max(load.num_preemptions - previous, 0))
         self._preemptions = load.num_preemptions
+        if load.prefix_cache_queries is not None and load.prefix_cache_hits is not None:
+            queries, hits = getattr(self, "_prefix_cache_counts", (0, 0))
+            if load.prefix_cache_queries > queries:  # prompt tokens since the previous poll
+                self.window.add(
+                    "rollout/vllm_prefix_cache_hit_frac",
+                    (load.prefix_cache_hits - hits) / (load.prefix_cache_queries - queries),
+                )
+            self._prefix_cache_counts = (load.prefix_cache_queries, load.prefix_cache_hits)
 
     def _flush_metrics(self) -> None:
         now = time.monotonic()
