@@ -367,7 +367,7 @@ def _mean(values: Sequence[float]) -> float:
 class GRPOSettings:
     """What the demo's GRPO run uses; sized for two CPU cores (see README, "The demo")."""
 
-    max_steps: int = 8
+    max_steps: int = 12
     num_generations: int = 8
     learning_rate: float = 3e-4  # 5e-4 collapsed one run in four (a fresh clone, seed 0)
     lora_rank: int = 16
@@ -550,7 +550,7 @@ class DemoSettings:
     warmup_batch_size: int = 8
     warmup_learning_rate: float = 1e-3
     eval_problems: int = 32
-    eval_samples: int = 2
+    eval_samples: int = 4
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
 
 
