@@ -227,11 +227,13 @@ def test_pause_keep_freezes_requests_in_flight_and_resume_continues_them(vllm_se
                 await anyio.sleep(0.3)
                 await client.pause("keep")
                 paused_at = time.monotonic()
-                assert await client.is_paused()
-                assert (await client.server_load()).num_running == 1
-                await anyio.sleep(2.0)
-                assert "completion" not in result, "the request finished while the server was paused"
-                await client.resume()
+                try:
+                    assert await client.is_paused()
+                    assert (await client.server_load()).num_running == 1
+                    await anyio.sleep(2.0)
+                    assert "completion" not in result, "the request finished while the server was paused"
+                finally:  # the server is shared by the layer: a failure here must not leave it paused
+                    await client.resume()
                 assert not await client.is_paused()
             return reference, result, paused_at, client.pop_metrics()
 
