@@ -464,8 +464,10 @@ class Engine:
                     twins.append((row, same_tokens[key]))
                     continue
                 hit = self.prefix_cache.lookup(request.tokens, request.adapter)
-                first = self.prefix_cache.first_block(request.tokens, request.adapter)
-                if hit.length == 0 and first is not None and self.device.type == "cpu":
+                first = None
+                if hit.length == 0 and self.device.type == "cpu":
+                    first = self.prefix_cache.first_block(request.tokens, request.adapter)
+                if first is not None:
                     if first in first_blocks:
                         # Shares a prefix with a request prefilled in this step: take it from that one's
                         # row in the next step instead of computing it twice now. Only on CPU, where
