@@ -26,11 +26,12 @@ token, in one pass) -> backward. Reported:
 `--sweep` measures rows of about 4k, 8k, 16k and 32k unique tokens instead (a group of 8 completions after a
 1k, 2k, 4k or 8k-token prompt, each row one micro-batch), and a 16k row of multi-turn rollouts whose second
 turn re-rendered the end of the first (they fork). Each workload runs three ways on the same samples with the
-same fused head: (a) tree-packed (the default attention backend: varlen in bf16), (b) our unpacked
-padding-free row, (c) a plain transformers model with its stock SDPA attention on the samples as a padded
-batch, the head applied to its hidden states at the same tokens. For each: the first call (compilation
-included), the steady step (median), trained and forwarded tokens/s, MFU and peak memory; at 4k also (a)
-with the flex backend, and at 16k (a) with the modular head.
+same fused head: (a) tree-packed (the default attention backend: varlen in bf16, full-attention layers as a
+cascade over the row in place), (b) our unpacked padding-free row, (c) a plain transformers model with its
+stock SDPA attention on the samples as a padded batch, the head applied to its hidden states at the same
+tokens. For each: the first call (compilation included), the steady step (median), trained and forwarded
+tokens/s, MFU and peak memory; on a GPU also (a) with the fallback layout that gathers each segment's path
+(`a_tree_gather`), at 4k (a) with the flex backend, and at 16k (a) with the modular head.
 """
 
 from __future__ import annotations
@@ -486,6 +487,9 @@ def run_sweep(
             ("a_tree", functools.partial(run_step, model, [tree], config, chunk, True), tree),
             ("b_unpacked", functools.partial(run_step, model, [flat], config, chunk, True), flat),
         ]
+        if device.type == "cuda":  # the fallback layout: each segment's path gathered (K/V copied)
+            gather = functools.partial(_with_backend, model, tree, config, chunk, "varlen_gather")
+            ways.append(("a_tree_gather", gather, tree))
         if with_flex and device.type == "cuda":
             ways.append(
                 ("a_tree_flex", functools.partial(_with_backend, model, tree, config, chunk, "flex"), tree)

@@ -223,7 +223,13 @@ def test_varlen_tree_attention_in_bf16_matches_the_dense_mask(build, overrides):
     bf16, no larger than the dense-mask path's own in bf16."""
     model = prepare_model_for_tree_attention(build(**overrides).to(CUDA))
     results = {}
-    for backend, dtype in (("sdpa", None), ("varlen", torch.bfloat16), ("sdpa-bf16", torch.bfloat16)):
+    backends = (
+        ("sdpa", None),
+        ("varlen", torch.bfloat16),
+        ("varlen_gather", torch.bfloat16),
+        ("sdpa-bf16", torch.bfloat16),
+    )
+    for backend, dtype in backends:
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
             logprobs = packed_logprobs(model, backend.removesuffix("-bf16"))
@@ -238,12 +244,87 @@ def test_varlen_tree_attention_in_bf16_matches_the_dense_mask(build, overrides):
         )
         return (logprobs - reference).abs().max().item(), grad_error
 
-    (varlen_lp, varlen_grad), (dense_lp, dense_grad) = errors("varlen"), errors("sdpa-bf16")
-    print(
-        f"bf16 errors against float32 (log-prob / gradient): varlen {varlen_lp:.2e} / {varlen_grad:.2e}, "
-        f"dense {dense_lp:.2e} / {dense_grad:.2e}"
-    )
-    assert varlen_lp <= 2 * dense_lp + 1e-3 and varlen_grad <= 2 * dense_grad + 1e-3
+    dense_lp, dense_grad = errors("sdpa-bf16")
+    for backend in ("varlen", "varlen_gather"):
+        varlen_lp, varlen_grad = errors(backend)
+        print(
+            f"bf16 errors against float32 (log-prob / gradient): {backend} {varlen_lp:.2e} / "
+            f"{varlen_grad:.2e}, dense {dense_lp:.2e} / {dense_grad:.2e}"
+        )
+        assert varlen_lp <= 2 * dense_lp + 1e-3 and varlen_grad <= 2 * dense_grad + 1e-3, backend
+
+
+def _groups_and_forks(seed: int) -> list[TrainingSample]:
+    """Three groups of four completions (prompts of 300-700 tokens), and two-turn rollouts of a fourth
+    prompt whose second turns fork: filler sequences with no keys and with no queries, rows merged by
+    index."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, 1000, (n,), generator=generator).tolist()
+
+    samples = []
+    for group, prompt_length in enumerate((300, 700, 450)):
+        prompt = ids(prompt_length)
+        samples += [sample(prompt, ids(40 + 97 * j), group) for j in range(4)]
+    prompt = ids(500)
+    for j in range(3):
+        first = ids(120)
+        samples.append(sample(prompt, first, 3))
+        for fork in range(2):
+            samples.append(sample(prompt + first + ids(30 + fork), ids(64 + 50 * j), 3))
+    return samples
+
+
+def _one_group() -> list[TrainingSample]:
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(10, 1000, (700,), generator=generator).tolist()
+    return [
+        sample(prompt, torch.randint(10, 1000, (50 + 61 * j,), generator=generator).tolist())
+        for j in range(8)
+    ]
+
+
+@pytest.mark.parametrize("heads", [(16, 8), (8, 8)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("rows", ["groups-and-forks", "one-group"])
+def test_cascade_attention_matches_dense_attention_in_bf16(heads, rows):
+    """The cascade (self part, one part per trie level, log-sum-exp merge, backward by merged output) on a
+    row of groups and forks (FlashAttention parts with fillers, rows merged by index) and on one group (its
+    cross part one rectangle, cuDNN's), against float32 dense-mask attention: output and gradient errors
+    within twice the dense path's own in bf16."""
+    from harness.training.tree_cascade import cascade_attention
+
+    samples = _groups_and_forks(0) if rows == "groups-and-forks" else _one_group()
+    tree = TreeMask.from_row(pack_row(samples).to(CUDA))
+    parts = tree.cascade_plan().parts
+    if rows == "one-group":
+        assert len(parts) == 2 and parts[1].keys == slice(0, 700)
+    else:
+        assert len(parts) >= 3 and any(isinstance(part.rows, torch.Tensor) for part in parts)
+    t, (heads_q, heads_kv) = tree.num_tokens, heads
+    generator = torch.Generator(device=CUDA).manual_seed(0)
+    inputs = [torch.randn(t, h, 128, device=CUDA, generator=generator) for h in (heads_q, heads_kv, heads_kv)]
+    grad_out = torch.randn(t, heads_q, 128, device=CUDA, generator=generator)
+    mask = tree.dense_mask()[None]
+
+    def dense(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+        ).transpose(0, 1)
+
+    def run(attend, dtype):
+        leaves = [x.detach().clone().to(dtype).requires_grad_() for x in inputs]
+        out = attend(*leaves)
+        out.backward(grad_out.to(dtype))
+        return [y.detach().float() for y in (out, *(x.grad for x in leaves))]
+
+    reference = run(dense, torch.float32)
+    cascade = run(lambda q, k, v: cascade_attention(q, k, v, tree.cascade_plan(), scale=None), torch.bfloat16)
+    dense_bf16 = run(dense, torch.bfloat16)
+    for name, ref, got, bf16 in zip(("out", "dq", "dk", "dv"), reference, cascade, dense_bf16, strict=True):
+        error, dense_error = ((x - ref).norm() / ref.norm() for x in (got, bf16))
+        print(f"{name}: cascade {error:.2e}, dense bf16 {dense_error:.2e}")
+        assert error <= 2 * dense_error + 1e-3, (name, error.item(), dense_error.item())
 
 
 def test_varlen_runs_new_row_lengths_without_compiling():

@@ -231,23 +231,96 @@ def test_the_varlen_plan_equals_the_dense_mask_on_a_forked_row():
             assert sorted(visible.tolist()) == dense[query].nonzero().squeeze(-1).tolist()
 
 
+def test_the_cascade_plan_of_a_group_is_completions_against_themselves_then_against_the_prompt():
+    """One prompt, two completions: a causal self part over the segments, and one dense rectangle (both
+    completions against the prompt) whose covered rows are a slice, so nothing is gathered."""
+    a, b = sample([11, 12, 13], [21, 22]), sample([11, 12, 13], [31, 32])
+    self_part, cross = TreeMask.from_row(pack_row([a, b])).cascade_plan().parts
+    assert (self_part.cu_q.tolist(), self_part.cu_k.tolist(), self_part.causal) == (
+        [0, 3, 5, 7],
+        [0, 3, 5, 7],
+        True,
+    )
+    # sequences: rows 0-2 have no keys here; completions 3-6 against keys 0-2; keys 3-6 have no queries
+    assert (cross.cu_q.tolist(), cross.cu_k.tolist(), cross.causal) == ([0, 3, 7, 7], [0, 0, 3, 7], False)
+    assert cross.rows == slice(3, 7) and (cross.max_q, cross.max_k) == (4, 4)
+
+
+def test_the_cascade_covers_exactly_the_dense_mask_on_a_forked_row():
+    """Over all parts, each query sees each key of its path exactly once (and nothing else)."""
+    tree = TreeMask.from_row(pack_row(ROWS))
+    dense, count = tree.dense_mask(), torch.zeros(tree.num_tokens, tree.num_tokens, dtype=torch.int64)
+    for part in tree.cascade_plan().parts:
+        cu_q, cu_k = part.cu_q.tolist(), part.cu_k.tolist()
+        for j in range(len(cu_q) - 1):
+            for i, query in enumerate(range(cu_q[j], cu_q[j + 1])):
+                keys = range(cu_k[j], cu_k[j + 1])
+                if part.causal:  # bottom-right aligned
+                    keys = keys[: len(keys) - (cu_q[j + 1] - cu_q[j]) + i + 1]
+                count[query, list(keys)] += 1
+    assert torch.equal(count, dense.long())
+    # self, then one per level with descendants: system prompt, shared turn, [30 31], the forked [40]
+    assert len(tree.cascade_plan().parts) == 1 + 4
+
+
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+def test_cascade_attention_and_its_backward_equal_the_dense_mask(heads_kv):
+    """The merged forward and the backward by merged output and log-sum-exp give the dense-mask attention's
+    output and gradients (the parts compute in float32, as FlashAttention accumulates)."""
+    from harness.training.tree_cascade import cascade_attention
+
+    tree = TreeMask.from_row(pack_row(ROWS))
+    generator = torch.Generator().manual_seed(0)
+    t = tree.num_tokens
+    q, k, v = (
+        torch.randn(t, h, 8, generator=generator, dtype=torch.float64) for h in (4, heads_kv, heads_kv)
+    )
+    d_out = torch.randn(t, 4, 8, generator=generator)
+
+    def dense(q, k, v):
+        mask = tree.dense_mask()[None]
+        repeat = 4 // heads_kv
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.repeat_interleave(repeat, 1).transpose(0, 1),
+            v.repeat_interleave(repeat, 1).transpose(0, 1),
+            attn_mask=mask,
+            scale=0.3,
+        ).transpose(0, 1)
+
+    results = []
+    for attend in (dense, lambda q, k, v: cascade_attention(q, k, v, tree.cascade_plan(), scale=0.3)):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attend(*inputs)
+        out.backward(d_out)
+        results.append((out.detach(), *(x.grad for x in inputs)))
+    for expected, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
-    ("build", "overrides"),
+    ("build", "overrides", "backend"),
     [
-        (build_tiny_qwen3, {}),
-        (build_tiny_llama, {}),
-        (build_tiny_qwen3, {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}),
-        (build_tiny_qwen3_5, {}),
+        (build_tiny_qwen3, {}, "varlen"),
+        (build_tiny_qwen3, {}, "varlen_gather"),
+        (build_tiny_llama, {}, "varlen"),
+        (
+            build_tiny_qwen3,
+            {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+            "varlen",
+        ),
+        (build_tiny_qwen3_5, {}, "varlen"),
     ],
-    ids=["qwen3", "llama", "qwen3-sliding-window", "qwen3.5-hybrid"],
+    ids=["qwen3", "qwen3-gather", "llama", "qwen3-sliding-window", "qwen3.5-hybrid"],
 )
-def test_varlen_backend_packed_equals_unpacked(build, overrides):
-    """On CPU the varlen plan runs segment by segment through SDPA: the same exactness as the dense mask."""
+def test_varlen_backend_packed_equals_unpacked(build, overrides, backend):
+    """On CPU the varlen parts run in plain arithmetic (the cascade; the gathered layout through SDPA): the
+    same exactness as the dense mask."""
     reference = build(**overrides)
     packed = prepare_model_for_tree_attention(build(**overrides))
     with torch.no_grad():
         expected = unpacked_logprobs(reference, ROWS)
         row = pack_row(ROWS)
-        hidden = packed_forward(packed, row, backend="varlen")
+        hidden = packed_forward(packed, row, backend=backend)
         got = row_logprobs(hidden, row, packed.get_output_embeddings().weight, chunk_size=5).logprobs
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -8,13 +8,17 @@ contiguous index range and the ancestor relation needs one gather: query q may a
 
 Three backends compute that attention, chosen per row by the device and dtype (`backend="auto"`):
 
-* `"varlen"` (GPU default in bf16/fp16): variable-length FlashAttention (`torch.nn.attention.varlen`), one
-  sequence per trie segment. A segment's queries are its own tokens; its keys are the tokens of its path,
-  the ancestor segments' ranges then its own, gathered by one `index_select` (a shared prefix's K/V is
-  gathered once per descendant segment), so the relation above is bottom-right causal alignment (a query
+* `"varlen"` (GPU default in bf16/fp16): variable-length FlashAttention, no mask, no compilation: any row
+  length runs at once. Full-attention layers run as a cascade over the row as it lies
+  (`harness.training.tree_cascade`): each segment causally against itself, then per trie level the tokens
+  below each segment against that segment, merged by log-sum-exp; no K/V is copied. Sliding-window layers
+  use the gathered layout of `"varlen_gather"`. On CPU, where FlashAttention does not run, the same parts
+  run in plain arithmetic (tests).
+* `"varlen_gather"`: one sequence per trie segment, its queries its own tokens, its keys the tokens of its
+  path (the ancestor segments' ranges, then its own) gathered by one `index_select`, so a shared prefix's
+  K/V is copied once per descendant segment; the relation above is bottom-right causal alignment (a query
   sees every gathered key up to itself) and a sliding window is a window over the gathered keys, which are
-  in depth order. No mask, no compilation: any row length runs at once. On CPU, where FlashAttention does
-  not run, the same plan runs segment by segment through SDPA (tests).
+  in depth order. On CPU it runs segment by segment through SDPA.
 * `"flex"` (GPU, float32): PyTorch `flex_attention`, compiled, with a `BlockMask` built once per row and
   window from the mask above; fully masked 128x128 blocks are skipped, so a completion never pays for its
   siblings. Each new row length pays a compilation.
@@ -55,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.packing import PackedRow
+from harness.training.tree_cascade import CascadePlan, cascade_attention
 
 __all__ = [
     "ATTENTION_NAME",
@@ -71,7 +76,7 @@ __all__ = [
 ATTENTION_NAME = "harness_tree"
 FLEX_BLOCK_SIZE = 128  # flex_attention's default block size; flex rows are padded to a multiple of it
 
-Backend = Literal["auto", "varlen", "flex", "sdpa"]
+Backend = Literal["auto", "varlen", "varlen_gather", "flex", "sdpa"]
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "linear_attention"}
 _DELTANET_ATTRIBUTES = (
@@ -112,7 +117,7 @@ class TreeMask:
     segment_start: list[int]
     segment_length: list[int]
     segment_parent: list[int]
-    backend: Literal["auto", "varlen", "flex", "sdpa"]
+    backend: Backend
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -186,7 +191,15 @@ class TreeMask:
             )
         return self._cache["varlen"]
 
-    def resolve_backend(self, query: torch.Tensor) -> Literal["varlen", "flex", "sdpa"]:
+    def cascade_plan(self) -> CascadePlan:
+        """The segments as a cascade of variable-length calls over the row in place (full attention)."""
+        if "cascade" not in self._cache:
+            self._cache["cascade"] = CascadePlan.of(
+                self.segment_start, self.segment_length, self.segment_parent, self.position_ids.device
+            )
+        return self._cache["cascade"]
+
+    def resolve_backend(self, query: torch.Tensor) -> Literal["varlen", "varlen_gather", "flex", "sdpa"]:
         """ "auto": varlen on a GPU in half precision (the inputs', or autocast's: under bf16 autocast with
         float32 weights, a query norm hands attention float32), flex in float32 there, sdpa on CPU."""
         if self.backend != "auto":
@@ -287,29 +300,37 @@ def varlen_tree_attention(
     query_T_Hq_D: torch.Tensor,
     key_T_Hkv_D: torch.Tensor,
     value_T_Hkv_D: torch.Tensor,
-    plan: VarlenPlan,
+    tree: TreeMask,
     *,
     scale: float | None,
     sliding_window: int | None,
+    gather: bool = False,
 ) -> torch.Tensor:
-    """Tree attention over one row as variable-length attention (see `VarlenPlan`); [T, Hq, D] out."""
+    """Tree attention over one row as variable-length attention: the cascade (`tree_cascade`), or with
+    `gather` or a sliding window the gathered layout (`VarlenPlan`); [T, Hq, D] out."""
+    on_gpu = query_T_Hq_D.device.type == "cuda"
+    out_dtype = query_T_Hq_D.dtype
+    if on_gpu:
+        dtype = _half_dtype(query_T_Hq_D)
+        if dtype is None:
+            raise TreeAttentionError(
+                "the varlen backend (FlashAttention) needs bf16 or fp16 inputs or autocast; use "
+                "backend='flex' for float32"
+            )
+        query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D = (
+            x.to(dtype) for x in (query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D)
+        )
+    if sliding_window is None and not gather:
+        output = cascade_attention(query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D, tree.cascade_plan(), scale=scale)
+        return output.to(out_dtype)
+    plan = tree.varlen_plan()
     left = -1 if sliding_window is None else sliding_window - 1  # keys within the window, in depth
-    if query_T_Hq_D.device.type != "cuda":
+    if not on_gpu:
         key_K = key_T_Hkv_D.index_select(0, plan.key_index)
         value_K = value_T_Hkv_D.index_select(0, plan.key_index)
         return _varlen_by_segment(query_T_Hq_D, key_K, value_K, plan, scale=scale, left=left)
     from torch.nn.attention.varlen import varlen_attn
 
-    dtype = _half_dtype(query_T_Hq_D)
-    if dtype is None:
-        raise TreeAttentionError(
-            "the varlen backend (FlashAttention) needs bf16 or fp16 inputs or autocast; use backend='flex' "
-            "for float32"
-        )
-    out_dtype = query_T_Hq_D.dtype
-    query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D = (
-        x.to(dtype) for x in (query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D)
-    )
     key_K = key_T_Hkv_D.index_select(0, plan.key_index)
     value_K = value_T_Hkv_D.index_select(0, plan.key_index)
 
@@ -412,14 +433,15 @@ def tree_attention_forward(
         )
     gqa = query.shape[1] != key.shape[1]
     backend = tree_mask.resolve_backend(query)
-    if backend == "varlen":
+    if backend in ("varlen", "varlen_gather"):
         output_T = varlen_tree_attention(
             query[0].transpose(0, 1),
             key[0].transpose(0, 1),
             value[0].transpose(0, 1),
-            tree_mask.varlen_plan(),
+            tree_mask,
             scale=scaling,
             sliding_window=sliding_window,
+            gather=backend == "varlen_gather",
         )
         return output_T[None], None
     if backend == "flex":
