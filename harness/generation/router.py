@@ -13,7 +13,8 @@ Placement: a request goes to the least loaded live server (`placement_score`): t
 last /metrics poll (vllm:num_requests_running + vllm:num_requests_waiting), moved by the requests this router
 started and finished there since, waiting requests counted once more, scaled by its KV-cache usage. The
 rollout loop's own poll (every few seconds) refreshes the loads; between polls the router's in-flight
-counts keep requests from herding onto the server that looked emptiest. Requests with the same
+counts keep requests from herding onto the server that looked emptiest, and ties go to the server sent
+the fewest requests so far. Requests with the same
 `route_key` (the loop passes the group id: a GRPO group shares its prompt) stay on the server the first
 one went to, so the group's later rollouts hit that server's prefix cache.
 
@@ -300,7 +301,11 @@ class GenerationRouter:
             if server is not None and server.live:
                 self._routes.move_to_end(route_key)
                 return server
-        server = min(live, key=lambda s: placement_score(s.load, s.in_flight, s.in_flight_at_poll))
+        # ties (idle servers) go to the one that was sent the fewest requests, so one-at-a-time traffic
+        # alternates instead of always taking the first
+        server = min(
+            live, key=lambda s: (placement_score(s.load, s.in_flight, s.in_flight_at_poll), s.num_requests)
+        )
         if route_key is not None:
             self._routes[route_key] = server
             self._routes.move_to_end(route_key)
