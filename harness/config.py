@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from transformers import TrainingArguments
 
+from harness.generation.router import server_urls
+
 GenerationServerMode = Literal["auto", "builtin", "external"]
 
 
@@ -111,9 +113,13 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # --- the generation server ------------------------------------------------------------------------
-    vllm_server_base_url: str = field(
+    vllm_server_base_url: str | list[str] = field(
         default="http://localhost:8000",
-        metadata=_help("Base URL of the vLLM (or built-in) generation server."),
+        metadata=_help(
+            "Base URL of the vLLM (or built-in) generation server; several servers: a list of URLs, or "
+            "one string of them separated by commas (requests go to the least loaded, a group's rollouts "
+            "to one server; pause, resume and weight syncs reach every server)."
+        ),
     )
     vllm_server_timeout: float = field(
         default=1800.0,
@@ -309,6 +315,10 @@ class AsyncGRPOConfig(TrainingArguments):
             problems.append("deepspeed is not supported: sharded training uses FSDP2 (fsdp / fsdp_config)")
         if self.generation_server not in ("auto", "builtin", "external"):
             problems.append("generation_server must be 'auto', 'builtin' or 'external'")
+        try:
+            server_urls(self.vllm_server_base_url)
+        except ValueError as exc:
+            problems.append(str(exc))
         if not 0 <= self.render_check_frac <= 1:
             problems.append("render_check_frac must be in [0, 1]")
         if not 0 < self.max_failure_frac <= 1 or self.failure_window < 1:

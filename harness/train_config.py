@@ -7,7 +7,8 @@ it into the trainer's arguments, write the resolved config next to the run, and 
 The spec (every key but `model` is optional; import strings are "module:attribute"):
 
     model = "Qwen/Qwen3-0.6B"                        # a local folder or a hub id
-    generation_server = "builtin"                    # or a vLLM URL, "http://localhost:8000"
+    generation_server = "builtin"                    # or a vLLM URL, "http://localhost:8000", or several:
+                                                     # ["http://gpu0:8000", "http://gpu1:8000"]
     reward_funcs = ["harness.rewards:accuracy_reward"]
     tools = ["mypkg.tools:search"]
     environment_factory = "arithmetic"               # a registry name or an import string, or a table
@@ -56,6 +57,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from harness.config import AsyncGRPOConfig
+from harness.generation.router import server_urls
 
 __all__ = [
     "MetricsFile",
@@ -99,7 +101,7 @@ class RunSpec:
     """A validated run spec: plain data, nothing imported or built yet."""
 
     model: str
-    generation_server: str = "builtin"
+    generation_server: str | tuple[str, ...] = "builtin"  # "builtin", or the servers' URLs
     reward_funcs: tuple[str, ...] = ()
     tools: tuple[str, ...] = ()
     environment_factory: str | dict[str, str] | None = None
@@ -177,12 +179,7 @@ def _validate(raw: dict[str, Any], base_dir: Path) -> RunSpec:
     if "model" not in raw:
         raise TrainConfigError('the run spec has no `model`: add model = "path/or/hub-id" at the top')
     model = _expect(raw["model"], str, "model", "a path or hub id")
-    server = _expect(raw.get("generation_server", "builtin"), str, "generation_server", '"builtin" or a URL')
-    if server != "builtin" and not server.startswith(("http://", "https://")):
-        raise TrainConfigError(
-            f'generation_server = {server!r}: use "builtin" or the URL of a vLLM server, e.g. '
-            '"http://localhost:8000"'
-        )
+    server = _generation_server(raw.get("generation_server", "builtin"))
     factory = raw.get("environment_factory")
     if isinstance(factory, dict):
         for name, value in factory.items():
@@ -213,6 +210,24 @@ def _validate(raw: dict[str, Any], base_dir: Path) -> RunSpec:
         peft=dict(peft) if peft is not None else None,
         base_dir=base_dir,
     )
+
+
+def _generation_server(value: Any) -> str | tuple[str, ...]:
+    """ "builtin", or the servers' URLs: one (a string), several (a list, or a string separated by commas)."""
+    if value == "builtin":
+        return "builtin"
+    usage = (
+        'use "builtin" or the URL of a vLLM server, e.g. "http://localhost:8000", or a list of URLs for '
+        'several, e.g. ["http://gpu0:8000", "http://gpu1:8000"]'
+    )
+    if not isinstance(value, str | list):
+        raise TrainConfigError(f"generation_server = {value!r}: {usage}")
+    try:
+        urls = server_urls(value)
+    except ValueError as exc:
+        problem = str(exc).removeprefix("vllm_server_base_url").lstrip(": ")
+        raise TrainConfigError(f"generation_server = {value!r}: {usage} ({problem})") from exc
+    return urls[0] if len(urls) == 1 and isinstance(value, str) else tuple(urls)
 
 
 def _validate_data(data: Any) -> dict[str, Any] | None:
@@ -276,7 +291,9 @@ def build_args(spec: RunSpec, config_cls: type[AsyncGRPOConfig] = AsyncGRPOConfi
     if spec.generation_server == "builtin":
         values["generation_server"] = "builtin"
     else:
-        values.update(generation_server="external", vllm_server_base_url=spec.generation_server)
+        server = spec.generation_server
+        urls = server if isinstance(server, str) else list(server)
+        values.update(generation_server="external", vllm_server_base_url=urls)
     try:
         return config_cls(**values)
     except (ValueError, TypeError) as exc:
@@ -467,7 +484,11 @@ def _peft_config(table: dict[str, Any] | None) -> Any:
 def resolved_spec(resolved: ResolvedRun) -> dict[str, Any]:
     """The spec as it runs: overrides applied, every [args] field with its value, paths made absolute."""
     spec = resolved.spec
-    out: dict[str, Any] = {"model": spec.model, "generation_server": spec.generation_server}
+    server = spec.generation_server
+    out: dict[str, Any] = {
+        "model": spec.model,
+        "generation_server": server if isinstance(server, str) else list(server),
+    }
     for key in ("reward_funcs", "tools", "environment_factory", "loop_cls", "config_cls"):
         value = getattr(spec, key)
         if value:

@@ -8,6 +8,7 @@ with adapter sync. The server is tests/vllm_server.py's, started by the `vllm_se
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -369,6 +370,98 @@ def test_adapters_load_under_versioned_names_and_serve_what_peft_computes(vllm_s
         plain = recomputed(model, PROMPT, tuned.output_ids, 1.0)
     assert max(abs(a - b) for a, b in zip(plain, tuned.output_log_probs, strict=True)) > 1e-3  # it counts
     assert base.output_ids
+
+
+# --- several servers ---------------------------------------------------------------------------------------
+
+
+def test_a_builtin_server_beside_vllm_behind_one_router(vllm_server, tmp_path):
+    """One router over the built-in server and the real vLLM, serving the same checkpoint under different
+    ids: groups spread over both and each stays on one (each server's vllm:request_success_total agrees),
+    each server generates under its own id, and pause, resume and an adapter load and unload reach both."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from harness.generation.router import GenerationRouter
+    from harness.server.launch import start_builtin_server
+
+    torch.manual_seed(0)
+    base_model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir, dtype=torch.float32).eval()
+    adapter = get_peft_model(
+        base_model, LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    )
+    adapter.save_pretrained(tmp_path / "adapter")
+    sampling = SamplingConfig(max_tokens=4, temperature=1.0, num_logprobs=0)
+
+    def served(url: str) -> int:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
+            samples = parse_prometheus(reply.read().decode())
+        return round(sum(s.value for s in samples if s.name == "vllm:request_success_total"))
+
+    class Recording(GenerationRouter):
+        def __init__(self, clients: list[GenerationClient]) -> None:
+            super().__init__(clients)
+            self.placements: list[tuple[Any, str]] = []
+
+        def _place(self, route_key):
+            server = super()._place(route_key)
+            self.placements.append((route_key, server.url))
+            return server
+
+    with start_builtin_server(
+        vllm_server.model_dir,
+        device="cpu",
+        dtype="float32",
+        max_model_len=512,
+        num_threads=1,
+        extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "4"],
+        timeout_s=300,
+        log_path=tmp_path / "builtin.log",
+    ) as builtin:
+        urls = [builtin.base_url, vllm_server.url]
+        before = [served(url) for url in urls]
+
+        async def main():
+            clients = [GenerationClient(url, timeout_s=120) for url in urls]
+            async with Recording(clients) as router:
+                await router.wait_until_ready()
+                info = await router.model_info()
+                assert info.max_model_len == 512  # the smaller of the two
+                assert (await router.server_load()) is not None
+                for group_id in range(6):  # one group at a time: idle servers take turns
+                    async with anyio.create_task_group() as group:
+                        for _ in range(3):
+                            group.start_soon(
+                                functools.partial(router.generate, PROMPT, sampling, route_key=group_id)
+                            )
+                await router.pause("keep")
+                try:
+                    paused = [await client.is_paused() for client in clients]
+                finally:  # the vLLM server is shared by the layer
+                    await router.resume()
+                resumed = [await client.is_paused() for client in clients]
+                await router.load_lora_adapter("router-adapter-v1", tmp_path / "adapter")
+                tuned = [
+                    await client.generate(PROMPT, sampling, model="router-adapter-v1", seed=2)
+                    for client in clients
+                ]
+                await router.unload_lora_adapter("router-adapter-v1")
+                return paused, resumed, tuned, router.placements
+
+        paused, resumed, tuned, placements = run(main)
+        got = [served(url) - count for url, count in zip(urls, before, strict=True)]
+    assert paused == [True, True] and resumed == [False, False]
+    by_group: dict[Any, set[str]] = {}
+    for key, url in placements:
+        by_group.setdefault(key, set()).add(url)
+    assert len(by_group) == 6 and all(len(servers) == 1 for servers in by_group.values())
+    placed = [sum(url == placed for _, placed in placements) for url in urls]
+    assert placed == [9, 9]  # three groups of three on each
+    # each server finished what the router sent it, plus the adapter's one turn sent to it directly
+    assert got == [count + 1 for count in placed]
+    for completion in tuned:  # both served the adapter: its log-probs, not the base model's
+        ours = recomputed(adapter, PROMPT, completion.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(ours, completion.output_log_probs, strict=True)) < 1e-4
 
 
 # --- whole runs -------------------------------------------------------------------------------------------

@@ -4,9 +4,12 @@
                       routes, LoRA adapters), retries on transient errors, typed errors
     client_thread.py  ClientThread: a GenerationClient on a thread of its own, for the trainer's sync code
     server_load.py    a server's load from its Prometheus /metrics (what the concurrency cap reads)
+    router.py         GenerationRouter: several servers behind one client's interface (placement by load,
+                      a group on one server, failover, control calls to every server)
 
-Who talks to it: harness/rollout/ samples through GenerationClient; harness/training/ and harness/weight_sync/
-drive pause, resume and weight updates through ClientThread. The servers are vLLM or harness/server/.
+Who talks to it: harness/rollout/ samples through a GenerationRouter (of one GenerationClient per server);
+harness/training/ and harness/weight_sync/ drive pause, resume and weight updates through ClientThread,
+which holds a router too. The servers are vLLM or harness/server/.
 """
 
 from harness._lazy import lazy_exports
@@ -16,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "Completion": "harness.generation.client",
     "GenerationClient": "harness.generation.client",
     "GenerationError": "harness.generation.client",
+    "GenerationRouter": "harness.generation.router",
     "ModelInfo": "harness.generation.client",
     "SamplingConfig": "harness.generation.client",
     "ServerLoad": "harness.generation.server_load",

@@ -53,7 +53,7 @@ import json
 import random
 import threading
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -329,6 +329,7 @@ class GenerationClient:
         *,
         model: str | None = None,
         seed: int | None = None,
+        route_key: Hashable | None = None,
     ) -> Completion:
         """Sample one turn from the token ids of its whole prompt (see the module doc for outcomes).
 
@@ -337,6 +338,7 @@ class GenerationClient:
             sampling: Sampling settings.
             model: Model (or LoRA adapter) name; default: the client's `model`, else the served model.
             seed: Seed of this request; default: a fresh random one per request (reused by its retries).
+            route_key: Where to send it among several servers (`GenerationRouter`); one server: unused.
         """
         info = await self.model_info()
         if info.max_model_len is not None and len(prompt_ids) >= info.max_model_len:

@@ -1,7 +1,8 @@
 """The trainer's blocking handle on the async `GenerationClient`.
 
 The trainer is synchronous; the client is a set of coroutines. `ClientThread` owns an anyio event loop
-on a private thread, builds the client there and runs its coroutines to completion from the calling
+on a private thread, builds the client there (a `GenerationRouter` over the configured servers, one or
+several: each call reaches every server) and runs its coroutines to completion from the calling
 thread. Rank 0 of the trainer opens one per run (`harness/training/trainer.py`); the weight-sync strategies
 (`harness/weight_sync/strategies.py`) drive every server call of a sync through it.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,11 +29,18 @@ if TYPE_CHECKING:
 class ClientThread:
     """A GenerationClient on a private event-loop thread, for the synchronous trainer.
 
-    `client`: any `ServerControl` to drive instead of an HTTP client to `base_url` (tests pass
-    `harness.testing.FakeGenerationServer`); it is used as it is and not closed here.
+    `base_url`: the server's URL, or several (a list, or separated by commas): see
+    `harness.generation.router.server_urls`. `client`: any `ServerControl` to drive instead of a router over
+    `base_url` (tests pass `harness.testing.FakeGenerationServer`); it is used as it is and not closed here.
     """
 
-    def __init__(self, base_url: str = "", timeout_s: float = 1800.0, *, client: ServerControl | None = None):
+    def __init__(
+        self,
+        base_url: str | Sequence[str] = "",
+        timeout_s: float = 1800.0,
+        *,
+        client: ServerControl | None = None,
+    ):
         self.base_url = base_url
         self.timeout_s = timeout_s
         self.client: Any = client
@@ -41,13 +49,13 @@ class ClientThread:
     def __enter__(self) -> ClientThread:
         from anyio.from_thread import start_blocking_portal
 
-        from harness.generation.client import GenerationClient
+        from harness.generation.router import GenerationRouter
 
         self._portal_cm = start_blocking_portal()
         self.portal = self._portal_cm.__enter__()
         if self._owns_client:
             self.client = self.portal.call(
-                lambda: GenerationClient(self.base_url, timeout_s=self.timeout_s, max_concurrency=4)
+                lambda: GenerationRouter.from_urls(self.base_url, timeout_s=self.timeout_s, max_concurrency=4)
             )
         self.portal.call(self.client.wait_until_ready)
         return self

@@ -7,12 +7,14 @@
 implements both in process, for tests. A custom `AsyncRolloutLoop` may be given any `SamplingServer`
 (`client=`), a weight-sync strategy any `ServerControl` behind a `ClientThread` (`ClientThread(client=...)`).
 Errors are `GenerationError`s: `ServerUnavailableError` (transient, retried by the HTTP client, then
-raised), `ServerRequestError` (a 4xx: never retried), `ProtocolMismatchError` (an answer of the wrong shape).
+raised; `AllServersUnavailableError` when a router has no server left), `ServerRequestError` (a 4xx:
+never retried), `ProtocolMismatchError` (an answer of the wrong shape).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -30,6 +32,11 @@ class GenerationError(Exception):
 
 class ServerUnavailableError(GenerationError, ConnectionError):
     """The server could not be reached or kept failing (transient errors outlasted the retries)."""
+
+
+class AllServersUnavailableError(ServerUnavailableError):
+    """Every generation server of the run stopped answering (`GenerationRouter`): the run cannot go on.
+    The message names each server and what happened to it. Never data of a rollout: it stops the run."""
 
 
 class ServerRequestError(GenerationError, ValueError):
@@ -235,8 +242,9 @@ def parse_token_key(key: str) -> int:
 class SamplingServer(Protocol):
     """What the rollout loop needs of a generation server (`AsyncRolloutLoop(client=...)`)."""
 
-    async def wait_until_ready(self) -> None:
-        """Return once the server answers; raise ServerUnavailableError if it never does."""
+    async def wait_until_ready(self, timeout_s: float | None = None) -> None:
+        """Return once the server answers (within `timeout_s`, default the client's own); raise
+        ServerUnavailableError if it does not (timeout_s=0: one look)."""
 
     async def model_info(self, refresh: bool = False) -> ModelInfo:
         """The served model's id and max_model_len."""
@@ -248,8 +256,10 @@ class SamplingServer(Protocol):
         *,
         model: str | None = None,
         seed: int | None = None,
+        route_key: Hashable | None = None,
     ) -> Completion:
-        """Sample one turn from the token ids of its whole prompt."""
+        """Sample one turn from the token ids of its whole prompt. `route_key`: requests with the same key
+        (a group's rollouts) go to the same server where there are several, for its prefix cache."""
 
     async def server_load(self) -> ServerLoad | None:
         """The server's load (None when it publishes none)."""
@@ -296,6 +306,7 @@ class ServerControl(Protocol):
 
 __all__ = [
     "MASKED_LOGPROB",
+    "AllServersUnavailableError",
     "Completion",
     "FinishReason",
     "GenerationError",

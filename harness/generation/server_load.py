@@ -8,6 +8,9 @@ label): KV-cache usage is the maximum (the fullest engine is the one that preemp
 waiting and preemptions are summed, and the cache size is summed over the distinct `cache_config_info`
 series (each engine has its own cache). Older vLLM names KV usage `vllm:gpu_cache_usage_perc`.
 
+Several servers (`GenerationRouter`) merge the same way (`ServerLoad.merged`): the fullest server's KV
+usage, everything else summed.
+
 Everything here is a pure function of the text, so tests feed it literal fixtures.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _SAMPLE = re.compile(
@@ -124,6 +128,24 @@ class ServerLoad:
             prefix_cache_hits=_total(values("vllm:prefix_cache_hits_total")),
         )
 
+    @classmethod
+    def merged(cls, loads: Sequence[ServerLoad]) -> ServerLoad:
+        """Several servers' loads as one, reduced as the engines of one server are: KV-cache usage the
+        maximum, counts and cache sizes summed (a server that does not say leaves a sum unknown only when
+        none says)."""
+        if not loads:
+            raise ValueError("no server loads to merge")
+        usage = [load.kv_cache_usage for load in loads if load.kv_cache_usage is not None]
+        return cls(
+            kv_cache_usage=max(usage) if usage else None,
+            num_running=sum(load.num_running for load in loads),
+            num_waiting=sum(load.num_waiting for load in loads),
+            num_preemptions=sum(load.num_preemptions for load in loads),
+            kv_cache_tokens=_sum_known([load.kv_cache_tokens for load in loads]),
+            prefix_cache_queries=_sum_known([load.prefix_cache_queries for load in loads]),
+            prefix_cache_hits=_sum_known([load.prefix_cache_hits for load in loads]),
+        )
+
     def to_metrics(self) -> dict[str, float]:
         """The rollout metrics this poll contributes (names from the reference)."""
         metrics = {
@@ -138,6 +160,11 @@ class ServerLoad:
 
 def _total(values: list[float]) -> int | None:
     return round(sum(values)) if values else None
+
+
+def _sum_known(values: list[int | None]) -> int | None:
+    known = [value for value in values if value is not None]
+    return sum(known) if known else None
 
 
 __all__ = ["MetricsParseError", "Sample", "ServerLoad", "parse_prometheus"]

@@ -21,7 +21,9 @@ reset, generate_one, get_reward. A rollout that fails for infrastructure reasons
 not start or died, a tool that timed out, the server failing after retries, an exception in reset or
 get_reward) becomes a Rollout with status "failed", counted by type and kept out of the group's
 statistics and out of training (unless `score_infra_failures`); the worker carries on. `FailureBreaker`
-stops the run if failures dominate.
+stops the run if failures dominate. Generation goes through a `GenerationRouter` over the configured
+servers (one or several, harness/generation/router.py); a turn on a server that dies is sent to another,
+and when no server is left its `AllServersUnavailableError` stops the run.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ import numpy as np
 from environments.base import environment_tools
 from environments.routing import RoutedEnvironment, reset_arguments, resolve_environments, route
 from harness.config import AsyncGRPOConfig
-from harness.generation.client import GenerationClient
-from harness.generation.protocol import GenerationError, SamplingConfig
+from harness.generation.protocol import AllServersUnavailableError, GenerationError, SamplingConfig
+from harness.generation.router import GenerationRouter
 from harness.metrics import MetricsWindow
 from harness.packing import packed_token_count
 from harness.rollout.chat import ChatRenderer
@@ -73,6 +75,8 @@ METRICS_FLUSH_S = 1.0
 NUM_SCORERS = 4
 # the adapter version a rollout started under (adapter sync), set in its own task
 _ROLLOUT_ADAPTER: contextvars.ContextVar[str | None] = contextvars.ContextVar("rollout_adapter", default=None)
+# the group a rollout belongs to, set in its own task: its turns' route key (one server per group)
+_ROLLOUT_GROUP: contextvars.ContextVar[int | None] = contextvars.ContextVar("rollout_group", default=None)
 
 
 class InfrastructureFailure(RuntimeError):
@@ -236,8 +240,11 @@ class AsyncRolloutLoop:
         )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the config's sampling settings."""
-        completion = await self.client.generate(prompt_ids, self.sampling, model=self.served_model())
+        """One sampling request with the config's sampling settings; the rollout's group is its route key
+        (with several servers, a group's rollouts go to one server, for its prefix cache)."""
+        completion = await self.client.generate(
+            prompt_ids, self.sampling, model=self.served_model(), route_key=_ROLLOUT_GROUP.get()
+        )
         turn = completion.to_turn_record(prompt_ids)
         turn.finish_reason = completion.finish_reason
         self.generated_tokens += len(completion.output_ids)
@@ -281,11 +288,11 @@ class AsyncRolloutLoop:
         config = self.config
         if self.client is None:
             self.client = await stack.enter_async_context(
-                GenerationClient(
+                GenerationRouter.from_urls(
                     config.vllm_server_base_url,
+                    model=self.model_name,
                     timeout_s=config.vllm_server_timeout,
                     max_concurrency=config.max_concurrent_rollouts,
-                    model=self.model_name,
                 )
             )
             await self.client.wait_until_ready()
@@ -462,7 +469,8 @@ class AsyncRolloutLoop:
         self, row: dict[str, Any], group_id: int
     ) -> tuple[Rollout, list[dict[str, Any]], tuple[type, float] | None]:
         """One rollout in its own task: environment and sandbox, reset, generate_one, get_reward."""
-        if self.lora_name_prefix is not None:  # this task's context only
+        _ROLLOUT_GROUP.set(group_id)  # this task's context only
+        if self.lora_name_prefix is not None:
             _ROLLOUT_ADAPTER.set(adapter_name(self.lora_name_prefix, int(self.model_version_value.value)))
         async with self.rollout_slots:
             self.in_flight += 1
@@ -475,6 +483,8 @@ class AsyncRolloutLoop:
                     rollout = await self.generate_one(prompt, self.tools, group_id)
                 else:
                     rollout, prompt, env_reward = await self._run_in_environment(routed, row, group_id)
+            except AllServersUnavailableError:
+                raise  # no server left: the run stops, no rollout can succeed
             except InfrastructureFailure as exc:
                 rollout = _failed(exc.error_type, str(exc))
             except (GenerationError, SandboxError) as exc:

@@ -23,7 +23,7 @@ scripted HTTP double (tests/test_client.py).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ class FakeGenerationServer:
 
     # --- SamplingServer ---------------------------------------------------------------------------------
 
-    async def wait_until_ready(self) -> None:
+    async def wait_until_ready(self, timeout_s: float | None = None) -> None:
         await self._enter("wait_until_ready")
 
     async def model_info(self, refresh: bool = False) -> ModelInfo:
@@ -123,6 +123,7 @@ class FakeGenerationServer:
         *,
         model: str | None = None,
         seed: int | None = None,
+        route_key: Hashable | None = None,
     ) -> Completion:
         self.generate_calls += 1
         await self._enter("generate", prompt_ids, sampling, model)

@@ -2,9 +2,10 @@
 
 Three steps, in this order (`train()` enters them on an ExitStack, which stops them in the reverse one):
 
-    generation_server     every process enters it; rank 0 gets the server's base URL: the configured one, or
-                          that of a built-in server (harness/server/launch.py) it starts when the config says
-                          "builtin", or "auto" and nothing answers /health at the URL. A built-in server loads
+    generation_server     every process enters it; rank 0 gets the servers' base URLs: the configured ones
+                          (vllm_server_base_url: one or several), or that of a built-in server
+                          (harness/server/launch.py) it starts when the config says "builtin", or "auto" and
+                          not every configured server answers /health. A built-in server loads
                           `model_path`, or, for a model object or a resumed run, the current weights (LoRA
                           merged in) from a temporary folder (`saved_model_for_server`; every process helps
                           gather them under FSDP2)
@@ -34,9 +35,10 @@ from typing import Any
 import torch
 
 from harness.config import AsyncGRPOConfig
+from harness.generation.router import server_urls
 from harness.rollout.worker import RolloutWorker
 from harness.training.processes import Processes
-from harness.weight_sync.plan import build_weight_sync, dtype_mismatch, plan_weight_sync
+from harness.weight_sync.plan import build_weight_sync, dtype_mismatch, plan_weight_sync_for_servers
 from harness.weight_sync.strategies import WeightSync
 
 log = logging.getLogger(__name__)
@@ -51,15 +53,18 @@ def generation_server(
     *,
     model_path: str | None,
     current_weights: bool,
-) -> Iterator[str]:
-    """Rank 0: the server's base URL, the configured one or that of a built-in server it starts; "" on the
-    other processes. A built-in server loads `model_path` unless it is None or `current_weights` (a resumed
-    run): then the model's weights, from a folder every process helps write."""
+) -> Iterator[list[str]]:
+    """Rank 0: the servers' base URLs, the configured ones or that of a built-in server it starts; [] on
+    the other processes. A built-in server loads `model_path` unless it is None or `current_weights` (a
+    resumed run): then the model's weights, from a folder every process helps write."""
     from harness.server.launch import open_generation_server
 
-    url = args.vllm_server_base_url
+    urls = server_urls(args.vllm_server_base_url)
     builtin = processes.broadcast(
-        (args.generation_server == "builtin" or (args.generation_server == "auto" and not _answers(url)))
+        (
+            args.generation_server == "builtin"
+            or (args.generation_server == "auto" and not all(_answers(url) for url in urls))
+        )
         if processes.is_main
         else None
     )
@@ -70,18 +75,18 @@ def generation_server(
         server_threads = None
         if builtin and device == "cpu" and _on_cpu(model):
             server_threads = stack.enter_context(split_cpu_threads(processes))
-        base_url = ""
+        base_urls: list[str] = []
         if processes.is_main:
-            base_url = stack.enter_context(
-                open_generation_server(
-                    None if builtin else url,
+            for url in [None] if builtin else urls:  # one log line per server
+                server = open_generation_server(
+                    url,
                     model=model_path,
                     device=device,
                     max_model_len=args.builtin_server_max_model_len,
                     num_threads=server_threads,
                 )
-            )
-        yield base_url
+                base_urls.append(stack.enter_context(server))
+        yield base_urls
 
 
 @contextlib.contextmanager
@@ -157,18 +162,19 @@ def open_weight_sync(
     model: Any,
     client: Any,
     *,
-    base_url: str,
+    base_urls: Sequence[str],
     version: int,
 ) -> WeightSync:
-    """Choose (rank 0, from the server's /server_info; `client` is its ClientThread, None elsewhere) and
+    """Choose (rank 0, from every server's /server_info; `client` is its ClientThread, None elsewhere) and
     start the weight-sync strategy, on every rank. The caller closes it."""
     plan = None
     if processes.is_main:
-        info = client.server_info()
-        plan = plan_weight_sync(model, info, base_url=base_url, max_staleness=args.max_staleness)  # logs why
-        warning = dtype_mismatch(compute_dtype(args, model), info)
-        if warning is not None:
-            log.warning(warning)
+        servers = client.call("server_infos")
+        plan = plan_weight_sync_for_servers(model, servers, max_staleness=args.max_staleness)  # logs why
+        for url, info in servers:
+            warning = dtype_mismatch(compute_dtype(args, model), info)
+            if warning is not None:
+                log.warning("%s: %s", url, warning)
     plan = processes.broadcast(plan)
     sync = build_weight_sync(
         plan,
@@ -178,7 +184,7 @@ def open_weight_sync(
         output_dir=args.output_dir,
         max_staleness=args.max_staleness,
         device=args.device,
-        base_url=base_url,
+        base_url=base_urls[0] if base_urls else "",
     )
     try:
         sync.start(model, version)
@@ -193,7 +199,7 @@ def start_rollout_worker(
     loop_cls: type,
     loop_kwargs: dict[str, Any],
     *,
-    base_url: str,
+    base_urls: Sequence[str],
     model_name: str,
     tokenizer: Any,
     model: Any,
@@ -203,11 +209,11 @@ def start_rollout_worker(
     version: int,
     token_allowance: int,
 ) -> RolloutWorker:
-    """Rank 0: spawn the worker running `loop_cls(**loop_kwargs, ...)` against the server at `base_url`,
+    """Rank 0: spawn the worker running `loop_cls(**loop_kwargs, ...)` against the servers at `base_urls`,
     from prompt position `start_position` (skipping `skip_positions`, done already), at policy `version`.
     The caller stops it."""
     worker_args = copy.copy(args)
-    worker_args.vllm_server_base_url = base_url
+    worker_args.vllm_server_base_url = list(base_urls)
     kwargs: dict[str, Any] = {
         **loop_kwargs,
         "config": worker_args,

@@ -174,7 +174,7 @@ class AsyncGRPOTrainer(Trainer):
         processes, counters = self.processes, self.counters
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._sigterm_stops_the_run())
-            base_url = stack.enter_context(  # every process: it may gather the weights for the server
+            base_urls = stack.enter_context(  # every process: it may gather the weights for the server
                 generation_server(
                     args,
                     processes,
@@ -186,12 +186,12 @@ class AsyncGRPOTrainer(Trainer):
             )
             client = None
             if processes.is_main:
-                client = stack.enter_context(ClientThread(base_url, args.vllm_server_timeout))
+                client = stack.enter_context(ClientThread(base_urls, args.vllm_server_timeout))
                 self._token_budget = args.token_budget or client.max_model_len()
             self._client = client
             self._token_budget = processes.broadcast(self._token_budget)
             self._weight_sync = open_weight_sync(
-                args, processes, self.model, client, base_url=base_url, version=counters.model_version
+                args, processes, self.model, client, base_urls=base_urls, version=counters.model_version
             )
             stack.callback(self._weight_sync.close)  # after the worker stopped: it may use the adapters
             if processes.is_main:
@@ -200,7 +200,7 @@ class AsyncGRPOTrainer(Trainer):
                     args,
                     self.loop_cls,
                     self._loop_kwargs(),
-                    base_url=base_url,
+                    base_urls=base_urls,
                     model_name=client.model_id(),
                     tokenizer=self.processing_class,
                     model=self.model,

@@ -1,13 +1,16 @@
 """Which weight-sync strategy a run uses: chosen once at start, on rank 0, from the server's /server_info.
 
     plan = plan_weight_sync(model, client.server_info(), base_url=..., max_staleness=...)   # rank 0
+    plan = plan_weight_sync_for_servers(model, client.call("server_infos"), max_staleness=...)  # or all
     sync = build_weight_sync(plan, server=client, is_main=..., world_size=..., ...)         # every rank
 
 Adapter sync (`AdapterWeightSync`) when the policy is a PEFT LoRA model and the server reports LoRA support
 (server_info lora_config with max_loras >= max_staleness + 2 and the adapter's rank within max_lora_rank,
 one data-parallel engine); else merged weights (`MergedWeightSync`): for the built-in server on this host
 through CUDA IPC when the server can see the trainer's GPU (it reports the UUIDs of the GPUs it sees), else
-through the shared-memory file; else through a broadcast group. One log line says which and why.
+through the shared-memory file; else through a broadcast group. One log line says which and why. With
+several servers every one must take the policy the same way (`plan_weight_sync_for_servers`): adapters
+or the file reach them all, a broadcast group only one.
 
 Who talks to it: harness/training/generation_side.py plans and builds at start; the strategies are in
 strategies.py, the transports they move merged weights with in transports.py.
@@ -16,6 +19,7 @@ strategies.py, the transports they move merged weights with in transports.py.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,6 +86,46 @@ def plan_weight_sync(
     """Choose how the policy reaches the server (see the module docstring) and log it; rank 0 only. A LoRA
     policy that falls back to merged weights is a warning: it names what the server needs instead."""
     plan = _plan(model, server_info, base_url=base_url, max_staleness=max_staleness)
+    falls_back = lora_config_of(model) is not None and plan.kind != "adapter"
+    (log.warning if falls_back else log.info)("weight sync: %s (%s)", plan.kind, plan.reason)
+    return plan
+
+
+def plan_weight_sync_for_servers(
+    model: Any, servers: Sequence[tuple[str, dict[str, Any]]], *, max_staleness: int
+) -> WeightSyncPlan:
+    """`plan_weight_sync` over every server of the run, (URL, /server_info) each, and log it; rank 0 only.
+
+    One server: its plan. Several: they must all take the policy the same way. Adapters and the
+    shared-memory file reach any number of servers (each loads the adapter directory or reads the file);
+    CUDA IPC is chosen for one server only (several built-in servers on this host read the file instead);
+    a broadcast group joins one server, so merged sync to several remote or vLLM servers is refused with
+    the alternatives (ValueError)."""
+    if len(servers) == 1:
+        url, info = servers[0]
+        return plan_weight_sync(model, info, base_url=url, max_staleness=max_staleness)
+    plans = [_plan(model, info, base_url=url, max_staleness=max_staleness) for url, info in servers]
+    plans = [
+        WeightSyncPlan("file", "several built-in servers on this host read one shared-memory file")
+        if plan.kind == "ipc"
+        else plan
+        for plan in plans
+    ]
+    urls = [url for url, _ in servers]
+    each = "; ".join(f"{url}: {plan.kind} ({plan.reason})" for url, plan in zip(urls, plans, strict=True))
+    if len({plan.kind for plan in plans}) > 1:
+        raise ValueError(
+            f"the generation servers would take the policy in different ways ({each}); start them alike "
+            "(all with LoRA support for adapter sync, or all built-in servers on this host)"
+        )
+    if plans[0].kind == "broadcast":
+        raise ValueError(
+            f"merged weight sync by broadcast reaches one server, and this run has {len(servers)} ({each}): "
+            "train a PEFT LoRA policy and start every server with LoRA support (adapter sync; vLLM: "
+            "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), or run built-in servers on this host "
+            "(shared-memory file), or use one server"
+        )
+    plan = WeightSyncPlan(plans[0].kind, f"{len(servers)} servers: {plans[0].reason}", plans[0].adapter_rank)
     falls_back = lora_config_of(model) is not None and plan.kind != "adapter"
     (log.warning if falls_back else log.info)("weight sync: %s (%s)", plan.kind, plan.reason)
     return plan
@@ -199,4 +243,5 @@ __all__ = [
     "lora_config_of",
     "lora_rank",
     "plan_weight_sync",
+    "plan_weight_sync_for_servers",
 ]

@@ -1,0 +1,448 @@
+"""GenerationRouter: several generation servers behind the interface of one `GenerationClient`.
+
+The rollout worker and the trainer always talk to a router (a single server is a router of one), built from
+the config's `vllm_server_base_url`, a URL or a list of them (`server_urls` checks it):
+
+    async with GenerationRouter.from_urls(["http://gpu0:8000", "http://gpu1:8000"], timeout_s=1800) as router:
+        await router.wait_until_ready()                        # every server, or ServerUnavailableError
+        completion = await router.generate(prompt_ids, sampling, route_key=group_id)
+        load = await router.server_load()                      # polls each server, merged (ServerLoad.merged)
+        await router.pause("keep")                             # control calls reach every live server
+
+Placement: a request goes to the least loaded live server (`placement_score`): the requests it had at the
+last /metrics poll (vllm:num_requests_running + vllm:num_requests_waiting), moved by the requests this router
+started and finished there since, waiting requests counted once more, scaled by its KV-cache usage. The
+rollout loop's own poll (every few seconds) refreshes the loads; between polls the router's in-flight
+counts keep requests from herding onto the server that looked emptiest, and ties go to the server sent
+the fewest requests so far. Requests with the same
+`route_key` (the loop passes the group id: a GRPO group shares its prompt) stay on the server the first
+one went to, so the group's later rollouts hit that server's prefix cache.
+
+Failover: a server is dropped from routing when it stops answering: a call failed with
+`ServerUnavailableError` (the client's retries spent) and one look at its /health fails too. A generation
+request on a dropped server is sent again to another live server (its group follows it there); a server
+that still answers /health keeps its place and the request's error goes to the caller (for the rollout
+loop, a failed rollout). Drops and failovers are counted in `pop_metrics()` (`rollout/vllm_servers_live`,
+`rollout/vllm_server_dropped_count`, `rollout/vllm_failover_count`); a dropped server is not taken back.
+With no server left every call raises `AllServersUnavailableError`, naming each server and its failure:
+the rollout loop lets it stop the run.
+
+Control calls (pause, resume, the weight-update steps, adapters) go to every live server at once; an
+error of one is raised, naming the server (a half-applied sync must surface), except that a server which
+no longer answers /health is dropped and the call counts as done on the others. Calls that only make sense
+for one server (the broadcast group's `get_world_size`, `init_weight_transfer_engine`) refuse several.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+import anyio
+
+from harness.generation.protocol import (
+    AllServersUnavailableError,
+    Completion,
+    ModelInfo,
+    PauseMode,
+    SamplingConfig,
+    ServerUnavailableError,
+)
+from harness.generation.server_load import ServerLoad
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_ROUTE_KEYS = 65_536  # groups remembered for stickiness (the oldest are forgotten first)
+
+
+def server_urls(value: str | Sequence[str]) -> list[str]:
+    """The generation servers' root URLs from `vllm_server_base_url`: one URL, several separated by commas,
+    or a list; each normalised (no trailing "/" or "/v1"). ValueError naming the problem and the fix for an
+    empty list, an entry that is not an http(s) URL with a host, or a server listed twice."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    urls: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(
+                f"vllm_server_base_url: {item!r} is not a string; give each server's URL, e.g. "
+                '["http://gpu0:8000", "http://gpu1:8000"]'
+            )
+        url = item.strip().rstrip("/").removesuffix("/v1")
+        if not url:
+            raise ValueError(
+                f"vllm_server_base_url {value!r} has an empty entry; separate the servers' URLs by single "
+                "commas"
+            )
+        parsed = urlparse(url)
+        try:
+            parsed.port  # noqa: B018 -- raises ValueError for a port that is not a number
+            valid = parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ValueError(
+                f"vllm_server_base_url: {item.strip()!r} is not a server URL; write each as "
+                "http://host:port (several: a list, or separated by commas)"
+            )
+        if url in urls:
+            raise ValueError(f"vllm_server_base_url lists {url} twice; give each server once")
+        urls.append(url)
+    if not urls:
+        raise ValueError(
+            "vllm_server_base_url is empty: give the URL of at least one generation server, e.g. "
+            '"http://localhost:8000"'
+        )
+    return urls
+
+
+def placement_score(load: ServerLoad | None, in_flight: int, in_flight_at_poll: int) -> float:
+    """How loaded a server is now; lower is better (see the module docstring).
+
+    `load` is its last poll (None: not polled yet, or no /metrics), `in_flight` the router's requests on it
+    now and `in_flight_at_poll` those when `load` was read. Without a load only the router's own count is
+    known."""
+    if load is None:
+        return float(in_flight)
+    requests_now = max(load.num_running + load.num_waiting + in_flight - in_flight_at_poll, 0)
+    return (requests_now + load.num_waiting) * (1.0 + (load.kv_cache_usage or 0.0))
+
+
+@dataclass(eq=False)
+class _Server:
+    """One backend and what the router knows of it."""
+
+    url: str
+    client: Any  # a GenerationClient, or any SamplingServer and ServerControl
+    live: bool = True
+    failure: str = ""
+    load: ServerLoad | None = None
+    in_flight: int = 0
+    in_flight_at_poll: int = 0
+    num_requests: int = 0  # generation requests placed here (for logs and tests)
+
+
+class GenerationRouter:
+    """Routes generation over several servers and fans control calls out to them (module docstring).
+
+    Args:
+        clients: One client per server (GenerationClient, or anything with its methods).
+        urls: The servers' URLs, for messages; default: each client's `root_url`.
+        model: The model name requests send when they name none; a name any server serves as its base
+            model means each server's own base model (servers may serve one checkpoint under different ids).
+        owns_clients: Whether `aclose()` closes the clients.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[Any],
+        *,
+        urls: Sequence[str] | None = None,
+        model: str | None = None,
+        owns_clients: bool = True,
+    ) -> None:
+        if not clients:
+            raise ValueError("a GenerationRouter needs at least one server")
+        names = list(urls) if urls is not None else [str(client.root_url) for client in clients]
+        if len(names) != len(clients):
+            raise ValueError(f"{len(clients)} clients but {len(names)} URLs")
+        self.servers = [_Server(url, client) for url, client in zip(names, clients, strict=True)]
+        self.model = model
+        self.owns_clients = owns_clients
+        self._routes: collections.OrderedDict[Hashable, _Server] = collections.OrderedDict()
+        self._served_ids: set[str] = set()
+        self._num_dropped_reported = 0
+        self.num_failovers = 0
+        self._num_failovers_reported = 0
+
+    @classmethod
+    def from_urls(
+        cls, base_url: str | Sequence[str], *, model: str | None = None, **client_kwargs: Any
+    ) -> GenerationRouter:
+        """A router over a `GenerationClient(url, **client_kwargs)` per server of `base_url` (a URL, several
+        separated by commas, or a list: `server_urls`)."""
+        from harness.generation.client import GenerationClient
+
+        urls = server_urls(base_url)
+        return cls([GenerationClient(url, **client_kwargs) for url in urls], urls=urls, model=model)
+
+    async def __aenter__(self) -> GenerationRouter:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every server's client (when the router owns them; idempotent)."""
+        if self.owns_clients:
+            for server in self.servers:
+                await server.client.aclose()
+
+    # ------------------------------------------------------------------ the servers
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    def live_servers(self) -> list[_Server]:
+        return [server for server in self.servers if server.live]
+
+    def _none_left(self) -> AllServersUnavailableError:
+        failures = "; ".join(f"{server.url}: {server.failure}" for server in self.servers)
+        return AllServersUnavailableError(
+            f"every generation server stopped answering, so the run cannot go on ({failures}); restart "
+            "them (or fix the URLs in vllm_server_base_url) and resume the run from its last checkpoint"
+        )
+
+    def _live_or_raise(self) -> list[_Server]:
+        live = self.live_servers()
+        if not live:
+            raise self._none_left()
+        return live
+
+    async def _drop_if_gone(self, server: _Server, error: Exception) -> bool:
+        """Drop `server` from routing when it does not answer /health either; whether it is gone (dropped
+        now or before). Raises AllServersUnavailableError when it was the last one."""
+        if server.live:
+            try:
+                await server.client.wait_until_ready(timeout_s=0)
+            except ServerUnavailableError:
+                pass
+            else:
+                return False
+            if not server.live:  # another request dropped it meanwhile
+                return True
+            server.live = False
+            server.failure = str(error)
+            left = len(self.live_servers())
+            log.error(
+                "generation server %s stopped answering and is dropped from routing (%d of %d left): %s",
+                server.url,
+                left,
+                len(self.servers),
+                error,
+            )
+        if not self.live_servers():
+            raise self._none_left() from error
+        return True
+
+    async def _each(
+        self, servers: Sequence[_Server], call: Callable[[Any], Awaitable[T]]
+    ) -> list[T | Exception]:
+        """`call(client)` on each server at once; its result or its exception, in order."""
+        results: list[T | Exception] = [None] * len(servers)  # type: ignore[list-item]
+
+        async def one(index: int, server: _Server) -> None:
+            try:
+                results[index] = await call(server.client)
+            except Exception as exc:  # collected: the caller decides per server
+                results[index] = exc
+
+        async with anyio.create_task_group() as tasks:
+            for index, server in enumerate(servers):
+                tasks.start_soon(one, index, server)
+        return results
+
+    async def _fan_out(self, what: str, call: Callable[[Any], Awaitable[T]]) -> list[tuple[_Server, T]]:
+        """`call(client)` on every live server at once; (server, result) of each that did it. A server that
+        fails and no longer answers /health is dropped; any other failure is raised, with a note naming
+        the server."""
+        servers = self._live_or_raise()
+        results = await self._each(servers, call)
+        done: list[tuple[_Server, T]] = []
+        for server, result in zip(servers, results, strict=True):
+            if not isinstance(result, Exception):
+                done.append((server, result))
+                continue
+            if isinstance(result, ServerUnavailableError) and await self._drop_if_gone(server, result):
+                continue
+            result.add_note(f"{what} on generation server {server.url}")
+            raise result
+        return done
+
+    # ------------------------------------------------------------------ readiness and model
+
+    async def wait_until_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every server answers /health; ServerUnavailableError naming the first that does not."""
+        servers = self.live_servers()
+        results = await self._each(servers, lambda client: client.wait_until_ready(timeout_s))
+        for server, result in zip(servers, results, strict=True):
+            if isinstance(result, Exception):
+                result.add_note(f"generation server {server.url} (of {', '.join(self.urls)})")
+                raise result
+
+    async def model_info(self, refresh: bool = False) -> ModelInfo:
+        """The first live server's model id and the smallest max_model_len of the live servers (a request
+        must fit wherever it goes)."""
+        infos = [info for _, info in await self._fan_out("GET /v1/models", lambda c: c.model_info(refresh))]
+        self._served_ids |= {info.id for info in infos}
+        lengths = [info.max_model_len for info in infos if info.max_model_len is not None]
+        return ModelInfo(id=infos[0].id, max_model_len=min(lengths) if lengths else None)
+
+    async def _backend_model(self, model: str | None) -> str | None:
+        """The name to send a server: None (its own base model) for the base model, else `model`."""
+        model = model or self.model
+        if model is None:
+            return None
+        if not self._served_ids:
+            await self.model_info()
+        return None if model in self._served_ids else model
+
+    # ------------------------------------------------------------------ generation
+
+    def _place(self, route_key: Hashable | None) -> _Server:
+        live = self._live_or_raise()
+        if route_key is not None:
+            server = self._routes.get(route_key)
+            if server is not None and server.live:
+                self._routes.move_to_end(route_key)
+                return server
+        # ties (idle servers) go to the one that was sent the fewest requests, so one-at-a-time traffic
+        # alternates instead of always taking the first
+        server = min(
+            live, key=lambda s: (placement_score(s.load, s.in_flight, s.in_flight_at_poll), s.num_requests)
+        )
+        if route_key is not None:
+            self._routes[route_key] = server
+            self._routes.move_to_end(route_key)
+            while len(self._routes) > MAX_ROUTE_KEYS:
+                self._routes.popitem(last=False)
+        return server
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig,
+        *,
+        model: str | None = None,
+        seed: int | None = None,
+        route_key: Hashable | None = None,
+    ) -> Completion:
+        """One turn on the least loaded live server, or the one its `route_key` went to; sent again to
+        another server when that one stops answering (see the module docstring)."""
+        backend_model = await self._backend_model(model)
+        while True:
+            server = self._place(route_key)
+            server.in_flight += 1
+            server.num_requests += 1
+            try:
+                return await server.client.generate(prompt_ids, sampling, model=backend_model, seed=seed)
+            except ServerUnavailableError as exc:
+                if isinstance(exc, AllServersUnavailableError) or not await self._drop_if_gone(server, exc):
+                    raise
+                self.num_failovers += 1
+                log.warning("a turn on %s is sent to another generation server", server.url)
+            finally:
+                server.in_flight -= 1
+
+    async def describe_candidate_sets(self, sampling: SamplingConfig) -> tuple[str, bool]:
+        """Each server's answer (SamplingServer.describe_candidate_sets): one sentence when they agree, else
+        one per server; biased when any server's is."""
+        answers = await self._fan_out(
+            "checking candidate sets", lambda client: client.describe_candidate_sets(sampling)
+        )
+        messages = list(dict.fromkeys(message for _, (message, _) in answers))
+        if len(messages) == 1:
+            message = messages[0]
+        else:
+            message = "; ".join(f"{server.url}: {message}" for server, (message, _) in answers)
+        return message, any(biased for _, (_, biased) in answers)
+
+    # ------------------------------------------------------------------ load and metrics
+
+    async def server_load(self) -> ServerLoad | None:
+        """Poll every live server's /metrics (what placement reads until the next poll); their loads merged
+        (`ServerLoad.merged`), None when no server publishes one. A server whose poll fails keeps its
+        previous load (a dead one is dropped by the requests that fail on it); if every poll fails, the
+        first error is raised."""
+        servers = self._live_or_raise()
+        results = await self._each(servers, lambda client: client.server_load())
+        loads: list[ServerLoad] = []
+        for server, result in zip(servers, results, strict=True):
+            if isinstance(result, Exception):
+                continue
+            server.load, server.in_flight_at_poll = result, server.in_flight
+            if result is not None:
+                loads.append(result)
+        errors = [result for result in results if isinstance(result, Exception)]
+        if errors and len(errors) == len(results):
+            raise errors[0]
+        return ServerLoad.merged(loads) if loads else None
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The servers' counters since the previous call, summed (rollout/vllm_retry_count, ...), and the
+        router's: rollout/vllm_servers_live (servers routed to), rollout/vllm_server_dropped_count (servers
+        dropped since) and rollout/vllm_failover_count (turns sent again to another server)."""
+        metrics: dict[str, float] = {}
+        for server in self.servers:
+            for name, value in server.client.pop_metrics().items():
+                metrics[name] = metrics.get(name, 0.0) + value
+        dropped = len(self.servers) - len(self.live_servers())
+        metrics["rollout/vllm_servers_live"] = float(len(self.servers) - dropped)
+        metrics["rollout/vllm_server_dropped_count"] = float(dropped - self._num_dropped_reported)
+        metrics["rollout/vllm_failover_count"] = float(self.num_failovers - self._num_failovers_reported)
+        self._num_dropped_reported, self._num_failovers_reported = dropped, self.num_failovers
+        return metrics
+
+    # ------------------------------------------------------------------ control: every live server
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        await self._fan_out("POST /pause", lambda client: client.pause(mode))
+
+    async def resume(self) -> None:
+        await self._fan_out("POST /resume", lambda client: client.resume())
+
+    async def is_paused(self) -> bool:
+        """Whether every live server is paused."""
+        return all(paused for _, paused in await self._fan_out("GET /is_paused", lambda c: c.is_paused()))
+
+    async def start_weight_update(self) -> None:
+        await self._fan_out("POST /start_weight_update", lambda client: client.start_weight_update())
+
+    async def send_weight_manifest(self, update_info: dict[str, Any]) -> None:
+        await self._fan_out("POST /update_weights", lambda client: client.send_weight_manifest(update_info))
+
+    async def finish_weight_update(self) -> None:
+        await self._fan_out("POST /finish_weight_update", lambda client: client.finish_weight_update())
+
+    async def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        await self._fan_out("loading an adapter", lambda client: client.load_lora_adapter(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._fan_out("unloading an adapter", lambda client: client.unload_lora_adapter(name))
+
+    async def server_info(self) -> dict[str, Any]:
+        """The first live server's /server_info (`server_infos` has every server's)."""
+        return (await self.server_infos())[0][1]
+
+    async def server_infos(self) -> list[tuple[str, dict[str, Any]]]:
+        """(URL, /server_info) of every live server, what the weight-sync plan is chosen from."""
+        infos = await self._fan_out("GET /server_info", lambda client: client.server_info())
+        return [(server.url, info) for server, info in infos]
+
+    def _only(self, what: str) -> Any:
+        live = self._live_or_raise()
+        if len(live) > 1:
+            raise ValueError(
+                f"{what} is for one generation server, and this run has {len(live)} "
+                f"({', '.join(server.url for server in live)})"
+            )
+        return live[0].client
+
+    async def server_version(self) -> str | None:
+        """The first live server's version (/version)."""
+        return await self._live_or_raise()[0].client.server_version()
+
+    async def get_world_size(self) -> int:
+        return await self._only("a weight broadcast group (get_world_size)").get_world_size()
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        client = self._only("a weight broadcast group (init_weight_transfer_engine)")
+        await client.init_weight_transfer_engine(init_info)
+
+
+__all__ = ["GenerationRouter", "placement_score", "server_urls"]
