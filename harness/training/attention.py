@@ -11,9 +11,9 @@ Three backends compute that attention, chosen per row by the device and dtype (`
 * `"varlen"` (GPU default in bf16/fp16): variable-length FlashAttention, no mask, no compilation: any row
   length runs at once. Full-attention layers run as a cascade over the row as it lies
   (`harness.training.tree_cascade`): each segment causally against itself, then per trie level the tokens
-  below each segment against that segment, merged by log-sum-exp; no K/V is copied. Sliding-window layers
-  use the gathered layout of `"varlen_gather"`. On CPU, where FlashAttention does not run, the same parts
-  run in plain arithmetic (tests).
+  below each segment against that segment, merged by log-sum-exp; no K/V is copied. Sliding-window layers,
+  and on a GPU rows shorter than `CASCADE_MIN_TOKENS`, use the gathered layout of `"varlen_gather"`. On
+  CPU, where FlashAttention does not run, the same parts run in plain arithmetic (tests).
 * `"varlen_gather"`: one sequence per trie segment, its queries its own tokens, its keys the tokens of its
   path (the ancestor segments' ranges, then its own) gathered by one `index_select`, so a shared prefix's
   K/V is copied once per descendant segment; the relation above is bottom-right causal alignment (a query
@@ -74,6 +74,7 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "harness_tree"
+CASCADE_MIN_TOKENS = 8192  # on a GPU, shorter rows use the gathered layout (see varlen_tree_attention)
 FLEX_BLOCK_SIZE = 128  # flex_attention's default block size; flex rows are padded to a multiple of it
 
 Backend = Literal["auto", "varlen", "varlen_gather", "flex", "sdpa"]
@@ -320,7 +321,11 @@ def varlen_tree_attention(
         query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D = (
             x.to(dtype) for x in (query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D)
         )
-    if sliding_window is None and not gather:
+    # On a GPU the cascade pays from about 8k-token rows (H200, 1.7B shape, single-turn groups: 396 vs 413 ms
+    # per step at 8k, 823 vs 893 at 16k, 1904 vs 2181 at 32k); below, its extra calls cost more than the
+    # gathers they save (269 vs 219 ms at 4k). benchmarks/bench_packing.py --sweep measures both.
+    cascade = not on_gpu or tree.num_tokens >= CASCADE_MIN_TOKENS
+    if sliding_window is None and not gather and cascade:
         output = cascade_attention(query_T_Hq_D, key_T_Hkv_D, value_T_Hkv_D, tree.cascade_plan(), scale=scale)
         return output.to(out_dtype)
     plan = tree.varlen_plan()
