@@ -51,14 +51,14 @@ __all__ = ["CascadePart", "CascadePlan", "cascade_attention"]
 class CascadePart:
     """One variable-length attention call over the whole row: sequence j has queries rows
     `cu_q[j]:cu_q[j+1]` and keys rows `cu_k[j]:cu_k[j+1]`. `rows` are the rows that have keys in this part
-    (None: every row); the others' output is not merged."""
+    (the self part: `slice(None)`, every row); the others' output is not merged."""
 
     cu_q: torch.Tensor  # [n + 1] int32
     cu_k: torch.Tensor  # [n + 1] int32
     max_q: int
     max_k: int
     causal: bool
-    rows: slice | torch.Tensor | None
+    rows: slice | torch.Tensor
     keys: slice | None = None  # one rectangle (rows x keys, no mask), as a single group's cross part is
 
 
@@ -82,7 +82,7 @@ class CascadePlan:
                 parent = parents[segment]
                 subtree_end[parent] = max(subtree_end[parent], subtree_end[segment])
 
-        parts = [_part([(n, n) for n in lengths], causal=True, rows=None, device=device)]
+        parts = [_part([(n, n) for n in lengths], causal=True, rows=slice(None), device=device)]
         for depth in range(max(level, default=-1) + 1):
             ancestors = [
                 s
@@ -109,7 +109,7 @@ class CascadePlan:
 
 
 def _part(
-    sequences: list[tuple[int, int]], *, causal: bool, rows: slice | torch.Tensor | None, device: torch.device
+    sequences: list[tuple[int, int]], *, causal: bool, rows: slice | torch.Tensor, device: torch.device
 ) -> CascadePart:
     sequences = [(q, k) for q, k in sequences if q or k]
     cu_q = torch.tensor([0, *(q for q, _ in sequences)], dtype=torch.int64).cumsum(0)
@@ -171,7 +171,7 @@ class _Cascade(torch.autograd.Function):
         out = out.to(accumulate)
         states = []
         for part in cross_parts:
-            rows = part.rows if part.rows is not None else slice(None)
+            rows = part.rows
             part_out, part_lse, state = _forward(query, key, value, part, scale)
             states.append(state)
             merged_lse = torch.logaddexp(lse[:, rows], part_lse)
@@ -213,7 +213,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """(out, lse float32, kernel state) of one part at its rows: [R, Hq, D] and [Hq, R] (every row for the
     self part). A rectangle goes to cuDNN where it runs (faster than FlashAttention 2 on Hopper)."""
-    rows = part.rows if part.rows is not None else slice(None)
+    rows = part.rows
     if query.device.type != "cuda":
         out, lse = _math_forward(query, key, value, part, scale)
         return out[rows], lse[:, rows], None
@@ -260,7 +260,7 @@ def _backward(
     if query.device.type != "cuda":
         return _math_backward(grad_out, query, key, value, out, lse, part, scale), (everything, everything)
     if state is not None:  # a cuDNN rectangle
-        rows, keys = part.rows if part.rows is not None else everything, part.keys or everything
+        rows, keys = part.rows, part.keys or everything
         q, k, v = _bhsd(query[rows]), _bhsd(_heads(key[keys], query)), _bhsd(_heads(value[keys], query))
         o, d_o = _bhsd(out[rows]), _bhsd(grad_out[rows])
         seed, offset = state
