@@ -150,6 +150,12 @@ def _add_sandbox_commands(commands: argparse._SubParsersAction) -> None:
         help="also remove containers of other hosts created more than HOURS ago (default: never)",
     )
     reap.add_argument("--no-docker", action="store_true", help="skip containers (only local directories)")
+    reap.add_argument(
+        "--engine",
+        action="append",
+        metavar="URL",
+        help="a Docker engine to sweep (unix://, tcp://, ssh://), repeatable (default: DOCKER_HOST's)",
+    )
 
 
 def _add_envs_commands(commands: argparse._SubParsersAction) -> None:
@@ -340,15 +346,22 @@ def _sandbox_reap(args: argparse.Namespace) -> int:
         print(f"{verb} local sandbox control group {path}")
     if args.no_docker:
         return 0
+    from sandboxes.engine import docker_client, engine_name
+
     older_than_s = None if args.other_hosts_older_than is None else args.other_hosts_older_than * 3600
-    try:
-        names = reap_containers(dry_run=args.dry_run, other_hosts_older_than_s=older_than_s)
-    except errors.EngineUnavailable as exc:
-        print(f"containers: skipped, {exc}", file=sys.stderr)
-        return 1
-    for name in names:
-        print(f"{verb} container {name}")
-    return 0
+    status = 0
+    for url in args.engine or [""]:
+        try:
+            names = reap_containers(
+                docker_client(url), dry_run=args.dry_run, other_hosts_older_than_s=older_than_s
+            )
+        except errors.EngineUnavailable as exc:
+            print(f"containers: skipped, {exc}", file=sys.stderr)
+            status = 1
+            continue
+        for name in names:
+            print(f"{verb} container {name} on {engine_name(url)}")
+    return status
 
 
 if __name__ == "__main__":

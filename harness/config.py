@@ -241,6 +241,18 @@ class AsyncGRPOConfig(TrainingArguments):
     sandbox_reuse: bool = field(
         default=False, metadata=_help("Wipe and reuse a sandbox after a rollout instead of discarding it.")
     )
+    sandbox_docker_engines: str | list[str] | None = field(
+        default=None,
+        metadata=_help(
+            "Docker engines the environments' Docker sandboxes are spread over, replacing their manifests' "
+            "docker_engines: a list of engine URLs (unix:///path, tcp://host:2376, ssh://user@host) or one "
+            "string of them separated by commas; None keeps each manifest's (by default DOCKER_HOST's)."
+        ),
+    )
+    sandbox_engine_max_sandboxes: int | None = field(
+        default=None,
+        metadata=_help("Most sandboxes on one Docker engine, replacing the manifests' engine_max_sandboxes."),
+    )
     score_infra_failures: bool = field(
         default=False,
         metadata=_help(
@@ -319,6 +331,10 @@ class AsyncGRPOConfig(TrainingArguments):
             server_urls(self.vllm_server_base_url)
         except ValueError as exc:
             problems.append(str(exc))
+        try:
+            self.sandbox_overrides()
+        except ValueError as exc:
+            problems.append(f"sandbox_docker_engines / sandbox_engine_max_sandboxes: {exc}")
         if not 0 <= self.render_check_frac <= 1:
             problems.append("render_check_frac must be in [0, 1]")
         if not 0 < self.max_failure_frac <= 1 or self.failure_window < 1:
@@ -331,3 +347,18 @@ class AsyncGRPOConfig(TrainingArguments):
             problems.append("num_completions_to_print must be non-negative (None prints all)")
         if problems:
             raise ValueError("invalid AsyncGRPOConfig: " + "; ".join(problems))
+
+    def sandbox_overrides(self) -> dict[str, Any]:
+        """What the sandbox_* engine fields replace in each Docker sandbox spec (checked as a spec would)."""
+        from sandboxes.base import SandboxSpec
+
+        overrides: dict[str, Any] = {}
+        if self.sandbox_docker_engines is not None:
+            engines = self.sandbox_docker_engines
+            overrides["docker_engines"] = engines if isinstance(engines, str) else tuple(engines)
+        if self.sandbox_engine_max_sandboxes is not None:
+            overrides["engine_max_sandboxes"] = self.sandbox_engine_max_sandboxes
+        if overrides:
+            checked = SandboxSpec(backend="docker", **overrides)
+            overrides = {name: getattr(checked, name) for name in overrides}
+        return overrides

@@ -21,7 +21,7 @@ def create_sandbox(spec: SandboxSpec | None = None, **kwargs: Any) -> Sandbox:
     """A new (not yet started) sandbox of the spec's backend; backends are imported only when used."""
     spec = spec or SandboxSpec(**kwargs)
     if spec.backend == "auto":
-        spec = dataclasses.replace(spec, backend=auto_backend(spec.image))
+        spec = dataclasses.replace(spec, backend=auto_backend(spec.image, spec.docker_engines))
     if spec.backend == "docker":
         from sandboxes.docker import DockerSandbox
 
@@ -36,18 +36,22 @@ def create_sandbox(spec: SandboxSpec | None = None, **kwargs: Any) -> Sandbox:
 
 
 @functools.cache
-def auto_backend(image: str) -> BackendName:
-    """What backend="auto" means on this machine: "docker" when an engine answers and has `image`, else
-    "local" when bubblewrap is installed (decided once per process and image)."""
+def auto_backend(image: str, engines: tuple[str, ...] = ()) -> BackendName:
+    """What backend="auto" means on this machine: "docker" when one of `engines` (none: DOCKER_HOST's)
+    answers and has `image`, else "local" when bubblewrap is installed (decided once per process, image and
+    engine list)."""
     import shutil
 
-    try:
-        from sandboxes.engine import docker_client
+    problems = []
+    for url in engines or ("",):
+        try:
+            from sandboxes.engine import docker_client
 
-        docker_client().images.get(image)
-        return "docker"
-    except Exception as exc:  # no engine, no image, no docker SDK: all mean "not Docker here"
-        docker_problem = f"{type(exc).__name__}: {exc}"
+            docker_client(url).images.get(image)
+            return "docker"
+        except Exception as exc:  # no engine, no image, no docker SDK: all mean "not Docker here"
+            problems.append(f"{type(exc).__name__}: {exc}")
+    docker_problem = "; ".join(problems)
     if shutil.which("bwrap"):
         return "local"
     raise errors.EngineUnavailable(

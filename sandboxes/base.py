@@ -109,6 +109,12 @@ class SandboxSpec:
         env: Extra environment variables for every command (nothing of the host's environment is passed).
         exec_timeout_s: Timeout of a command that does not give its own.
         start_timeout_s: How long starting may take before it fails.
+        docker_engines: Docker engines to spread sandboxes over, by the URLs the docker SDK takes
+            (unix:///path, tcp://host:2376 with TLS from DOCKER_TLS_VERIFY and DOCKER_CERT_PATH, ssh://),
+            "" for the engine of DOCKER_HOST; empty: that engine alone. `sandboxes/placement.py` places.
+        engine_max_sandboxes: Most sandboxes this process keeps on one engine (None: no cap beyond the
+            pool's); an engine at its cap gets no new sandbox until one of its own closes.
+        engine_max_starting: Most sandboxes starting at once on one engine.
     """
 
     backend: BackendName = "local"
@@ -118,6 +124,9 @@ class SandboxSpec:
     env: tuple[tuple[str, str], ...] = ()
     exec_timeout_s: float = 120.0
     start_timeout_s: float = 60.0
+    docker_engines: tuple[str, ...] = ()
+    engine_max_sandboxes: int | None = None
+    engine_max_starting: int = 16
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "docker", "local", "unsafe-subprocess"):
@@ -134,6 +143,33 @@ class SandboxSpec:
             raise errors.InvalidSandboxConfig(f"workdir must be an absolute path, got {self.workdir!r}")
         if isinstance(self.env, Mapping):  # accept a dict, store it hashable
             object.__setattr__(self, "env", tuple(sorted(self.env.items())))
+        if isinstance(self.docker_engines, str):  # "unix:///a.sock,tcp://b:2376" from a command line
+            object.__setattr__(self, "docker_engines", tuple(filter(None, self.docker_engines.split(","))))
+        object.__setattr__(self, "docker_engines", tuple(self.docker_engines))
+        _check_engines(self.docker_engines, self.engine_max_sandboxes, self.engine_max_starting)
+
+
+_ENGINE_SCHEMES = ("unix", "tcp", "ssh", "http", "https", "npipe", "fd")
+
+
+def _check_engines(urls: tuple[str, ...], max_sandboxes: int | None, max_starting: int) -> None:
+    problems = []
+    for url in urls:
+        if url == "":  # DOCKER_HOST's engine, beside others
+            continue
+        if not isinstance(url, str) or url.partition("://")[0] not in _ENGINE_SCHEMES or "://" not in url:
+            problems.append(
+                f"docker_engines entry {url!r} is not an engine URL (unix:///var/run/docker.sock, "
+                "tcp://host:2376, ssh://user@host)"
+            )
+    if len(set(urls)) != len(urls):
+        problems.append(f"docker_engines names an engine twice: {list(urls)}")
+    if max_sandboxes is not None and max_sandboxes < 1:
+        problems.append(f"engine_max_sandboxes must be at least 1 or None, got {max_sandboxes}")
+    if max_starting < 1:
+        problems.append(f"engine_max_starting must be at least 1, got {max_starting}")
+    if problems:
+        raise errors.InvalidSandboxConfig("; ".join(problems))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ per command (which costs tens of milliseconds of runc start-up each). The docker
 calls run on worker threads (at most `MAX_ENGINE_CALLS` at once); the request stream itself is read and
 written on the event loop. One slow daemon call never freezes the other rollouts.
 
+Engines: a spec may name several (`docker_engines`, any URL the SDK takes; none means DOCKER_HOST's);
+`sandboxes/placement.py` picks one per sandbox by free capacity under per-engine caps. An engine that stops
+answering is marked lost there: the sandboxes on it die (their rollouts fail as SandboxDied), new ones go to
+the other engines, and its containers are removed once it answers again.
+
 What it protects against:
 - the request stream (forged answers): the executor is the container's pid 1 (no docker-init), running as
   root with only the capabilities it needs to start commands as uid 1000 and to kill them (SETUID,
@@ -25,7 +30,7 @@ What it protects against:
 - leaks: every container carries labels naming its run, owner host, owner pid (with the pid's start time)
   and creation time; close() removes it, an exit hook removes what is left open at interpreter exit,
   and the reaper (`harness sandbox reap`, also run when this process starts its first sandbox) removes
-  containers whose owner process is gone, never one without our labels.
+  containers whose owner process is gone, never one without our labels, on every engine used.
 
 What it does not protect against:
 - kernel exploits: containers share the host kernel (use a VM-based runtime such as gVisor or Kata
@@ -36,14 +41,14 @@ What it does not protect against:
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
+import contextlib
+import logging
 import time
 from collections import deque
 from datetime import UTC, datetime
 from typing import Any
 
-from sandboxes import errors
+from sandboxes import errors, placement
 from sandboxes.base import RUN_ID, Sandbox, SandboxSpec
 from sandboxes.channel import AgentChannel
 from sandboxes.engine import (
@@ -51,14 +56,17 @@ from sandboxes.engine import (
     LABELS,
     container_state,
     docker_client,
+    engine_address,
     engine_call,
-    remove_container,
+    engine_name,
+    remove_on,
+    unreachable,
 )
 from sandboxes.owner import this_owner
 
 SANDBOX_UID = SANDBOX_GID = 1000  # the image's `sandbox` user, whom commands run as
 EXECUTOR_CAPABILITIES = ["SETUID", "SETGID", "KILL"]
-_reaped_at_start = False
+_reaped_engines: set[str] = set()
 
 
 class DockerSandbox(Sandbox):
@@ -67,18 +75,52 @@ class DockerSandbox(Sandbox):
     def __init__(self, spec: SandboxSpec, *, name: str | None = None):
         super().__init__(spec, name=name)
         self.container_id: str | None = None
+        self.engine_url: str | None = None  # the engine it was placed on ("" for DOCKER_HOST's)
+        self._slot: placement.Slot | None = None
         self._stderr_tail: deque[str] = deque(maxlen=20)
-        self._socket: socket.socket | None = None
 
     async def _launch(self) -> AgentChannel:
-        client = await engine_call(docker_client)
-        await _reap_once(client)
-        self.container_id = await engine_call(self._create, client)
-        raw = await engine_call(self._attach_and_start, client)
-        reader, writer = await asyncio.open_connection(sock=raw)
-        return AgentChannel(
-            _Demultiplexer(reader, self._stderr_tail), writer, name=self.name, why_dead=self._why_dead
-        )
+        """Place the sandbox on an engine and start it there; an engine that does not answer is marked lost
+        and the next one is tried, so a lost engine costs a start its time, never the start itself."""
+        num_engines = len(placement.urls_of(self.spec))
+        for attempt in range(num_engines):
+            self._slot = await placement.reserve(self.spec)
+            url = self.engine_url = self._slot.engine.url
+            try:
+                client = await engine_call(docker_client, url, engine=url)
+                await _reap_once(client, url)
+                self.container_id = await engine_call(self._create, client, engine=url)
+                reader, writer = await self._attach(client, url)
+                try:
+                    await engine_call(self._start, client, engine=url)
+                except BaseException:
+                    writer.close()
+                    raise
+            except Exception as exc:
+                if not unreachable(exc):
+                    raise
+                placement.mark_lost(url, f"{type(exc).__name__}: {exc}")
+                self._forget_placement()
+                if attempt == num_engines - 1:
+                    raise errors.EngineUnavailable(
+                        f"sandbox {self.name}: Docker engine {engine_name(url)} does not answer ({exc}), "
+                        "and no other engine of the spec took the sandbox"
+                    ) from exc
+                continue
+            self._slot.started()
+            return AgentChannel(
+                _Demultiplexer(reader, self._stderr_tail), writer, name=self.name, why_dead=self._why_dead
+            )
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    def _forget_placement(self) -> None:
+        """Give the slot back; a container made on an engine now lost is left for when it answers again."""
+        if self.container_id is not None and self.engine_url is not None:
+            placement.add_orphan(self.engine_url, self.container_id)
+        self.container_id = None
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
 
     def _create(self, client: Any) -> str:
         import docker
@@ -141,50 +183,91 @@ class DockerSandbox(Sandbox):
             ) from exc
         return container.id
 
-    def _attach_and_start(self, client: Any) -> socket.socket:
-        """Attach to stdin/stdout before starting, so no answer can be missed; return an owned socket."""
+    async def _attach(self, client: Any, url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Attach to the container's stdin, stdout and stderr before it starts, so no answer can be missed.
+
+        The attach is the engine's HTTP upgrade, made here on the event loop over a connection of our own
+        (a unix socket, or tcp with the engine's TLS settings), so the stream is asyncio's from the start."""
+        address = engine_address(url)
+        try:
+            if address.unix_path is not None:
+                reader, writer = await asyncio.open_unix_connection(address.unix_path)
+            else:
+                reader, writer = await asyncio.open_connection(address.host, address.port, ssl=address.ssl)
+            path = f"/v{client.api.api_version}/containers/{self.container_id}/attach"
+            writer.write(
+                f"POST {path}?stdin=1&stdout=1&stderr=1&stream=1 HTTP/1.1\r\nHost: docker\r\n"
+                "Connection: Upgrade\r\nUpgrade: tcp\r\nContent-Length: 0\r\n\r\n".encode()
+            )
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=self.spec.start_timeout_s)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError) as exc:
+            raise errors.EngineUnavailable(
+                f"sandbox {self.name}: could not attach to its container on {engine_name(url)}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        status = head.split(b"\r\n", 1)[0].split(b" ", 2)
+        if len(status) < 2 or status[1] not in (b"101", b"200"):
+            writer.close()
+            raise errors.SandboxStartError(
+                f"sandbox {self.name}: the engine refused to attach to the container: "
+                f"{head.decode(errors='replace').strip()[:300]}"
+            )
+        return reader, writer
+
+    def _start(self, client: Any) -> None:
         import docker
 
-        params = {"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}
         try:
-            attached = client.api.attach_socket(self.container_id, params=params)
-            sdk_socket = getattr(attached, "_sock", attached)
-            if not isinstance(sdk_socket, socket.socket):
-                raise errors.SandboxStartError(
-                    f"sandbox {self.name}: the Docker connection ({client.api.base_url}) is not a plain "
-                    "socket; TLS and SSH engines are not supported by the sandbox backend yet"
-                )
-            # A socket of our own: the SDK's response object may close its copy whenever it is collected.
-            owned = socket.socket(fileno=os.dup(sdk_socket.fileno()))
-            attached.close()
             client.api.start(self.container_id)
         except docker.errors.APIError as exc:
             raise errors.SandboxStartError(
                 f"sandbox {self.name}: the container did not start: {exc.explanation or exc}"
             ) from exc
-        owned.setblocking(False)
-        self._socket = owned
-        return owned
 
     async def _why_dead(self) -> str:
         parts = []
-        if self.container_id is not None:
+        if self.container_id is not None and self.engine_url is not None:
+            url = self.engine_url
             try:
-                state = await engine_call(container_state, docker_client(), self.container_id)
+                state = await engine_call(_state_on, url, self.container_id, engine=url)
             except Exception as exc:  # the engine itself may be what died
-                state = f"its state is unknown ({type(exc).__name__}: {exc})"
+                if unreachable(exc):
+                    placement.mark_lost(url, f"{type(exc).__name__}: {exc}")
+                    state = (
+                        f"its Docker engine {engine_name(url)} does not answer ({type(exc).__name__}: {exc})"
+                    )
+                else:
+                    state = f"its state is unknown ({type(exc).__name__}: {exc})"
             parts.append(state)
         if self._stderr_tail:
             parts.append("stderr: " + " | ".join(self._stderr_tail))
         return "; ".join(parts)
 
     async def _destroy(self) -> None:
-        if self.container_id is not None:
-            await engine_call(remove_container, docker_client(), self.container_id)
+        url, container_id = self.engine_url, self.container_id
+        if container_id is not None and url is not None:
+            if placement.engine(url).lost:  # no call to an engine known to be away: bounded close
+                self._forget_placement()
+                return
+            try:
+                await engine_call(remove_on, url, container_id, engine=url)
+            except Exception as exc:
+                if not unreachable(exc):
+                    raise
+                placement.mark_lost(url, f"{type(exc).__name__}: {exc}")
+                self._forget_placement()
+                return
+            self.container_id = None
+        self._forget_placement()
 
     def _destroy_now(self) -> None:
-        if self.container_id is not None:
-            remove_container(docker_client(), self.container_id)
+        url, container_id = self.engine_url, self.container_id
+        if container_id is not None and url is not None and not placement.engine(url).lost:
+            with contextlib.suppress(Exception):
+                remove_on(url, container_id)
+                self.container_id = None
+        self._forget_placement()
 
 
 def tmpfs_sizes_mb(memory_mb: int, disk_mb: int) -> tuple[int, int, int]:
@@ -224,21 +307,23 @@ class _Demultiplexer:
         return data
 
 
-async def _reap_once(client: Any) -> None:
-    """At start-up, remove containers that dead runs on this host left behind."""
-    global _reaped_at_start
-    if _reaped_at_start:
+def _state_on(url: str, container_id: str) -> str:
+    return container_state(docker_client(url), container_id)
+
+
+async def _reap_once(client: Any, url: str) -> None:
+    """At start-up, remove containers that dead runs on this host left behind on each engine used."""
+    if url in _reaped_engines:
         return
-    _reaped_at_start = True
+    _reaped_engines.add(url)
     from sandboxes.reaper import reap_containers
 
     started = time.monotonic()
-    removed = await engine_call(reap_containers, client)
+    removed = await engine_call(reap_containers, client, engine=url)
     if removed:
-        import logging
-
         logging.getLogger(__name__).warning(
-            "removed %d sandbox containers left by dead runs (%.1f s)",
+            "removed %d sandbox containers left by dead runs on %s (%.1f s)",
             len(removed),
+            engine_name(url),
             time.monotonic() - started,
         )

@@ -11,6 +11,9 @@ rollouts waits for a free one instead of exhausting the machine; `max_starting` 
 once, since starting is the expensive part for the engine. A lease hands out only a sandbox that answers
 a ping; one that does not is discarded and replaced.
 
+A pool of Docker sandboxes first probes the spec's engines and copies the image to those that lack it
+(`placement.prepare`), so a missing image or a dead engine shows at the start, not at the first lease.
+
 Closing the pool (leaving `async with`) stops the filler and closes every sandbox it made, leased ones
 included. If the filler cannot start sandboxes (the engine is down), it logs, backs off, and keeps trying;
 a lease that then has to start its own sandbox raises the typed start error.
@@ -27,7 +30,7 @@ from typing import Any
 
 import anyio
 
-from sandboxes import errors
+from sandboxes import errors, placement
 from sandboxes.backends import create_sandbox
 from sandboxes.base import Sandbox, SandboxSpec
 
@@ -94,10 +97,13 @@ class SandboxPool:
         self._changed = anyio.Condition()
         self._task_group: Any = None
         self._closed = False
+        self._docker = spec.backend == "docker"
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
     async def __aenter__(self) -> SandboxPool:
+        if self._docker:  # every engine probed and given the image before the first lease
+            await placement.prepare(self.spec)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         if self.min_idle:
@@ -120,6 +126,8 @@ class SandboxPool:
             async with anyio.create_task_group() as group:
                 for sandbox in list(self._all):
                     group.start_soon(sandbox.close)
+            if self._docker:
+                await placement.settle(self.spec)
         self._all.clear()
         self._idle.clear()
 

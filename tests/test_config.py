@@ -85,3 +85,13 @@ def test_cross_field_problems_name_the_field(tmp_path, kwargs, field):
 def test_top_p_with_top_k_is_accepted(tmp_path):
     config = AsyncGRPOConfig(output_dir=str(tmp_path), top_p=0.95, top_k=512, epsilon_high=0.28)
     assert (config.top_p, config.top_k, config.epsilon_high) == (0.95, 512, 0.28)
+
+
+def test_sandbox_engines_replace_the_manifests_and_bad_urls_are_refused(tmp_path):
+    config = AsyncGRPOConfig(
+        output_dir=str(tmp_path), sandbox_docker_engines="unix:///a.sock,tcp://10.0.0.2:2376"
+    )
+    assert config.sandbox_overrides() == {"docker_engines": ("unix:///a.sock", "tcp://10.0.0.2:2376")}
+    assert AsyncGRPOConfig(output_dir=str(tmp_path)).sandbox_overrides() == {}
+    with pytest.raises(ValueError, match=r"sandbox_docker_engines.*'a.sock' is not an engine URL"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), sandbox_docker_engines=["a.sock"])

@@ -383,8 +383,8 @@ async def test_missing_image_is_a_typed_error_naming_the_fix():
 async def test_engine_not_running_is_a_typed_error(monkeypatch, tmp_path):
     import sandboxes.engine as docker_backend
 
-    monkeypatch.setattr(docker_backend, "_client", None)
+    monkeypatch.setattr(docker_backend, "_clients", {})
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     with pytest.raises(errors.EngineUnavailable, match="no Docker engine answers at unix://"):
         await create_sandbox(SandboxSpec(backend="docker")).start()
-    monkeypatch.setattr(docker_backend, "_client", None)  # the next test gets a client of its own
+    monkeypatch.setattr(docker_backend, "_clients", {})  # the next test gets a client of its own

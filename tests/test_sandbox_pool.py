@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from sandboxes import errors
-from sandboxes.base import SandboxSpec
+from sandboxes.base import Limits, SandboxSpec
 from sandboxes.pool import SandboxPool
 
 pytestmark = pytest.mark.anyio
@@ -96,8 +96,17 @@ async def test_closing_the_pool_closes_leased_and_idle_sandboxes():
         await pool.acquire()
 
 
+@pytest.mark.docker
+async def test_a_docker_pool_whose_image_no_engine_has_refuses_to_open_naming_it():
+    missing = SandboxSpec(backend="docker", image="agent-harness/does-not-exist:never")
+    with pytest.raises(errors.ImageNotFound, match=r"does-not-exist:never.*build-image"):
+        async with SandboxPool(missing, max_total=1):
+            pass
+
+
+@pytest.mark.docker
 async def test_start_failure_is_typed_and_gives_the_slot_back():
-    broken = SandboxSpec(backend="docker", image="agent-harness/does-not-exist:never")
+    broken = SandboxSpec(backend="docker", limits=Limits(cpus=4096))  # more CPUs than the engine has
     async with SandboxPool(broken, max_total=1) as pool:
         for _ in range(2):  # the slot came back: the second attempt does not wait forever
             with anyio.fail_after(60), pytest.raises(errors.SandboxStartError):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import dataclasses
 import logging
 import math
 import multiprocessing.synchronize
@@ -64,6 +65,7 @@ from harness.rollout.scoring import (
 )
 from harness.types import GroupResult, Rollout, RolloutGroup, TrainingSample, TurnRecord
 from harness.weight_sync.strategies import adapter_name
+from sandboxes import placement
 from sandboxes.errors import INFRASTRUCTURE_ERRORS, SandboxError
 from sandboxes.pool import SandboxPool
 from tools import ToolExecutor, ToolResult, Toolset, ToolStats
@@ -323,19 +325,31 @@ class AsyncRolloutLoop:
         self.env_pools = {
             name: EnvironmentPool(routed, threads=self.threads) for name, routed in self.environments.items()
         }
-        self.sandbox_pools: dict[Any, SandboxPool] = {}
+        self.sandbox_pools: dict[Any, SandboxPool] = {}  # by the manifest's spec
+        engine_overrides = config.sandbox_overrides()
         for routed in self.environments.values():
             spec = routed.manifest.sandbox
             if spec is not None and spec not in self.sandbox_pools:
                 self.sandbox_pools[spec] = await stack.enter_async_context(
                     SandboxPool(
-                        spec,
+                        dataclasses.replace(spec, **engine_overrides),  # engines: only Docker reads them
                         min_idle=config.sandbox_min_idle,
                         max_total=config.max_concurrent_rollouts,
                         max_starting=config.sandbox_max_starting,
                         reuse=config.sandbox_reuse,
                     )
                 )
+        self.docker_engines = tuple(
+            sorted(
+                {
+                    url
+                    for pool in self.sandbox_pools.values()
+                    if pool.spec.backend == "docker"
+                    for url in placement.urls_of(pool.spec)
+                }
+            )
+        )
+        self._engine_losses_reported = 0
         for pool in self.env_pools.values():
             stack.push_async_callback(pool.close)
         first_load = await self.client.server_load()
@@ -688,6 +702,8 @@ class AsyncRolloutLoop:
         self.window.add_rate("rollout/generated_tokens_per_s", self.generated_tokens, now - self._last_flush)
         self.generated_tokens, self._last_flush = 0, now
         self.window.add_many(self.client.pop_metrics())
+        if self.docker_engines:
+            self.window.add_many(self._engine_metrics())
         self.window.add_many(self.renderer.stats.summary())
         self.renderer.stats.reset()
         if self.tool_stats:
@@ -698,6 +714,19 @@ class AsyncRolloutLoop:
         if self.window:
             self.metrics_queue.put(self.window.state())
             self.window.reset()
+
+    def _engine_metrics(self) -> dict[str, float]:
+        """sandbox/engines_live (Docker engines answering), sandbox/containers (this run's sandboxes on
+        them) and sandbox/engine_lost_count (engines lost since the previous flush)."""
+        engines = placement.snapshot(self.docker_engines).values()
+        losses = sum(engine["num_lost"] for engine in engines)
+        metrics = {
+            "sandbox/engines_live": float(sum(not engine["lost"] for engine in engines)),
+            "sandbox/containers": float(sum(engine["sandboxes"] for engine in engines)),
+            "sandbox/engine_lost_count": float(losses - self._engine_losses_reported),
+        }
+        self._engine_losses_reported = losses
+        return metrics
 
     def _stop_requested(self) -> bool:
         return self.stop_event is not None and self.stop_event.is_set()
