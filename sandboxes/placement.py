@@ -159,10 +159,8 @@ async def reserve(spec: SandboxSpec) -> Slot:
                 _waiting.append(wakeup)  # before the lock is let go, so no release is missed
         if not live:
             raise errors.EngineUnavailable(
-                f"none of the {len(urls)} Docker engines answers ("
-                + "; ".join(f"{engine(url).name}: {engine(url).lost_reason}" for url in urls)
-                + f"); they are probed again every {RETRY_LOST_S:.0f} s: start them, or name others in "
-                "docker_engines"
+                f"none of the {len(urls)} Docker engines answers ({_why_lost(urls)}); they are probed again "
+                f"every {RETRY_LOST_S:.0f} s: start them, or name others in docker_engines"
             )
         if not below_cap and time.monotonic() > deadline:
             with _lock:
@@ -225,10 +223,7 @@ async def prepare(spec: SandboxSpec) -> None:
         for url in urls:
             group.start_soon(look, url)
     if not has_image:
-        raise errors.EngineUnavailable(
-            "no Docker engine answers: "
-            + "; ".join(f"{engine(url).name}: {engine(url).lost_reason}" for url in urls)
-        )
+        raise errors.EngineUnavailable(f"no Docker engine answers: {_why_lost(urls)}")
     sources = [url for url, present in has_image.items() if present]
     missing = [url for url, present in has_image.items() if not present]
     if missing and not sources:
@@ -285,6 +280,10 @@ def snapshot(urls: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
 
 
 # --- internals ----------------------------------------------------------------------------------------
+
+
+def _why_lost(urls: tuple[str, ...]) -> str:
+    return "; ".join(f"{engine(url).name}: {engine(url).lost_reason}" for url in urls)
 
 
 async def _probe_lost(urls: tuple[str, ...]) -> None:
