@@ -290,6 +290,7 @@ def test_checkers_stop_at_interpreter_exit() -> None:
 @needs_math_verify
 def test_a_pathological_answer_times_out_without_blocking_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     rewards.close()
+    others = _children()  # children of earlier tests that outlive them by design (the session's vLLM server)
     monkeypatch.setattr(rewards, "CHECK_TIMEOUT_S", 2.0)
     monkeypatch.setattr(rewards, "NUM_CHECKERS", 2)
     assert accuracy_reward(completions=[said(r"\boxed{1}")] * 2, solution=["1", "2"]) == [1.0, 0.0]  # warm 2
@@ -314,10 +315,7 @@ def test_a_pathological_answer_times_out_without_blocking_the_pool(monkeypatch: 
     assert 2.0 <= results[1] < 30.0
 
     # the stuck checker was killed and reaped; the pool works on, through a fresh checker
-    deadline = time.monotonic() + 10  # the killed checker may still be exiting when the answer is back
-    while _children() != set(rewards._pool().pids()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _children() == set(rewards._pool().pids())
+    assert _children() - others == set(rewards._pool().pids())
     assert accuracy_reward(completions=[said(r"\boxed{2}")] * 2, solution=["2", "3"]) == [1.0, 0.0]
 
 

@@ -206,7 +206,7 @@ def test_every_metric_the_worker_reads_is_there(vllm_server):
 def test_pause_keep_freezes_requests_in_flight_and_resume_continues_them(vllm_server):
     """A greedy turn long enough to be caught mid-flight: paused in keep mode it does not finish, and after
     resume it finishes with the same tokens as without a pause, never aborted or retried."""
-    sampling = SamplingConfig(max_tokens=600, temperature=0.0, num_logprobs=0)
+    sampling = SamplingConfig(max_tokens=1000, temperature=0.0, num_logprobs=0)  # MAX_MODEL_LEN is 1024
 
     async def main():
         async with client_for(vllm_server) as client:
@@ -216,7 +216,7 @@ def test_pause_keep_freezes_requests_in_flight_and_resume_continues_them(vllm_se
                 if reference.finish_reason == "length":
                     break
             else:
-                pytest.fail("no prompt gave a greedy turn of 600 tokens")
+                pytest.fail("no prompt gave a greedy turn of 1000 tokens")
             result: dict[str, Any] = {}
 
             async def generate() -> None:
@@ -225,7 +225,10 @@ def test_pause_keep_freezes_requests_in_flight_and_resume_continues_them(vllm_se
 
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(generate)
-                await anyio.sleep(0.3)
+                # pause once the server decodes it (a fixed sleep raced the request on a loaded machine)
+                with anyio.fail_after(30):
+                    while (await client.server_load()).num_running == 0:
+                        await anyio.sleep(0.05)
                 await client.pause("keep")
                 paused_at = time.monotonic()
                 try:
