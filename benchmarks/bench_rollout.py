@@ -134,7 +134,7 @@ class InstantServer:
     def pop_metrics(self) -> dict[str, float]:
         return {}
 
-    async def generate(self, prompt_ids, sampling, *, model=None, seed=None) -> Completion:
+    async def generate(self, prompt_ids, sampling, *, model=None, seed=None, route_key=None) -> Completion:
         self.requests += 1
         if self.loop is not None:
             self.peak_in_flight = max(self.peak_in_flight, self.loop.in_flight)
@@ -185,11 +185,13 @@ class CpuTimers:
         return timed
 
 
-def make_loop(tokenizer: Any, server: InstantServer, concurrency: int, rollouts: int, group_size: int):
-    num_groups = max(1, rollouts // group_size)
+def workload(
+    concurrency: int, rollouts: int, group_size: int
+) -> tuple[AsyncGRPOConfig, list[dict[str, Any]]]:
+    """The config and the dataset of one measurement: `rollouts` rollouts in groups of `group_size`."""
     dataset = [
         {"prompt": [{"role": "user", "content": f"What is {i} + {i + 1}? Use the add tool."}]}
-        for i in range(num_groups)
+        for i in range(max(1, rollouts // group_size))
     ]
     config = AsyncGRPOConfig(
         output_dir="/tmp/bench-rollout",
@@ -200,6 +202,11 @@ def make_loop(tokenizer: Any, server: InstantServer, concurrency: int, rollouts:
         max_steps=-1,
         num_train_epochs=1,  # one pass over the dataset, then the loop ends by itself
     )
+    return config, dataset
+
+
+def make_loop(tokenizer: Any, server: InstantServer, concurrency: int, rollouts: int, group_size: int):
+    config, dataset = workload(concurrency, rollouts, group_size)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     loop = AsyncRolloutLoop(
         config,
@@ -219,7 +226,7 @@ def make_loop(tokenizer: Any, server: InstantServer, concurrency: int, rollouts:
         client=server,
     )
     server.loop = loop
-    return loop, num_groups * group_size
+    return loop, len(dataset) * group_size
 
 
 def replies(tokenizer: Any) -> tuple[list[int], list[int], str]:
@@ -288,16 +295,23 @@ async def measure(
     }
 
 
-async def main(concurrencies: list[int], rollouts: int, group_size: int, latencies_ms: list[float]) -> None:
+def prepare(title: str, details: str) -> tuple[Any, list[int], list[int]]:
+    """The tokenizer and the double's two replies; prints the header (`title`, the machine, `details`)."""
     # The official Qwen3 template drops earlier turns' reasoning, so it is not prefix-preserving: the
     # renderer says so once per loop and renders with its packaged training template instead (printed).
     logging.getLogger("harness.rollout.chat.renderer").setLevel(logging.ERROR)
     tokenizer, tokenizer_name = load_tokenizer()
     call_ids, answer_ids, template_name = replies(tokenizer)
     print(
-        f"# rollout loop, 2 turns + 1 tool call per rollout ({platform.python_version()}, "
-        f"{os.cpu_count()} cores, {tokenizer_name} rendered with {template_name}, groups of {group_size}, "
-        f"up to {rollouts} rollouts per row)"
+        f"# {title}, 2 turns + 1 tool call per rollout ({platform.python_version()}, {os.cpu_count()} cores, "
+        f"{tokenizer_name} rendered with {template_name}, {details})"
+    )
+    return tokenizer, call_ids, answer_ids
+
+
+async def main(concurrencies: list[int], rollouts: int, group_size: int, latencies_ms: list[float]) -> None:
+    tokenizer, call_ids, answer_ids = prepare(
+        "rollout loop", f"groups of {group_size}, up to {rollouts} rollouts per row"
     )
     await measure(tokenizer, call_ids, answer_ids, 64, 256, group_size)  # warm up caches and threads
     columns = ("lat ms", "conc", "peak", "rollouts", "rollouts/s", "tools/s", "turns/s", "cpu/wall")

@@ -215,6 +215,17 @@ class AsyncGRPOConfig(TrainingArguments):
         default=4096, metadata=_help("max_model_len of the built-in server (prompt plus completion).")
     )
 
+    # --- beyond the reference: rollout worker processes ----------------------------------------------
+    num_rollout_workers: int = field(
+        default=1,
+        metadata=_help(
+            "Rollout worker processes sharing the prompts and the token allowance (each with its own "
+            "environments, sandboxes and server connections); max_concurrent_rollouts, sandbox_min_idle and "
+            "sandbox_engine_max_sandboxes are split between them. More than 1 pays when one worker's CPU "
+            "(about 1 ms per turn) limits the run; see docs/operators.md."
+        ),
+    )
+
     # --- beyond the reference: tools and parsing -----------------------------------------------------
     tool_timeout_s: float = field(
         default=60.0, metadata=_help("Per-call timeout of tools without one of their own.")
@@ -245,8 +256,9 @@ class AsyncGRPOConfig(TrainingArguments):
         default=None,
         metadata=_help(
             "Docker engines the environments' Docker sandboxes are spread over, replacing their manifests' "
-            "docker_engines: a list of engine URLs (unix:///path, tcp://host:2376, ssh://user@host) or one "
-            "string of them separated by commas; None keeps each manifest's (by default DOCKER_HOST's)."
+            "docker_engines: a list of engine URLs (unix:///path, tcp://host:2376 with TLS from "
+            "DOCKER_CERT_PATH; for ssh, forward the socket) or one string of them separated by commas; None "
+            "keeps each manifest's (by default DOCKER_HOST's)."
         ),
     )
     sandbox_engine_max_sandboxes: int | None = field(
@@ -307,6 +319,8 @@ class AsyncGRPOConfig(TrainingArguments):
             problems.append("num_sampler_logprobs must be >= 0")
         if self.max_concurrent_rollouts < 1:
             problems.append("max_concurrent_rollouts must be at least 1")
+        if self.num_rollout_workers < 1:
+            problems.append("num_rollout_workers must be at least 1")
         if self.max_staleness < 0:
             problems.append("max_staleness must be >= 0")
         if self.weight_sync_steps < 1:

@@ -139,7 +139,7 @@ def train_policy(out_dir: Path, policy: str, resume: bool) -> dict[str, Any]:
         "lora": any(".lora_A." in name for name, _ in trainer.model.named_parameters()),
         "worker_start_index": worker.loop_kwargs["dataset_start_index"] if worker else None,
         "owns_worker": worker is not None,
-        "worker_joined": worker is None or worker._process is None,
+        "worker_joined": worker is None or not worker._processes,
         "live_children": live_children("harness.server", "spawn_main"),  # the server, the worker
     }
 

@@ -76,7 +76,7 @@ def assert_no_leftover_processes(trainer) -> None:
     """The worker is joined and no built-in server started by this process is still running."""
     from leftovers import live_children
 
-    assert trainer.worker._process is None  # stopped and joined
+    assert not trainer.worker._processes  # stopped and joined
     survivors = live_children("harness.server")
     assert survivors == [], f"a built-in server started by this test survived: {survivors}"
 
@@ -142,14 +142,16 @@ def test_single_environment_and_a_dict_of_environments(tmp_path, tiny_model_dir)
     assert_no_leftover_processes(mixed)
 
 
-def test_checkpoint_then_resume_starts_at_the_trained_position(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_checkpoint_then_resume_starts_at_the_trained_position(tmp_path, tiny_model_dir, workers):
+    """Also with two rollout worker processes (num_rollout_workers), which share the prompts."""
     from harness import AsyncGRPOTrainer
 
     dataset = prompts(64)
     first = AsyncGRPOTrainer(
         tiny_model_dir,
         reward_funcs=length_reward,
-        args=config(tmp_path, save_strategy="steps", save_steps=2),
+        args=config(tmp_path, save_strategy="steps", save_steps=2, num_rollout_workers=workers),
         train_dataset=dataset,
     )
     first.train()
@@ -160,10 +162,13 @@ def test_checkpoint_then_resume_starts_at_the_trained_position(tmp_path, tiny_mo
     assert (checkpoint / "optimizer.pt").exists() and (checkpoint / "model.safetensors").exists()
 
     second = AsyncGRPOTrainer(
-        tiny_model_dir, reward_funcs=length_reward, args=config(tmp_path, max_steps=3), train_dataset=dataset
+        tiny_model_dir,
+        reward_funcs=length_reward,
+        args=config(tmp_path, max_steps=3, num_rollout_workers=workers),
+        train_dataset=dataset,
     )
     second.train(resume_from_checkpoint=str(checkpoint))
-    assert second.state.global_step == 3
+    assert second.state.global_step == 3 and second.worker.num_processes == workers
     assert second.worker.loop_kwargs["dataset_start_index"] == state["trained_position"]
     assert second.counters.trained_position >= state["trained_position"]
 

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import itertools
 import logging
 import math
 import multiprocessing.synchronize
@@ -63,6 +64,7 @@ from harness.rollout.scoring import (
     reward_func_name,
     sum_rewards,
 )
+from harness.rollout.sharing import WorkerShare
 from harness.types import GroupResult, Rollout, RolloutGroup, TrainingSample, TurnRecord
 from harness.weight_sync.strategies import adapter_name
 from sandboxes import placement
@@ -99,8 +101,10 @@ class AsyncRolloutLoop:
     windows), `rollout_buffer` (GroupResult items). Beyond the reference: `stop_event` asks for a
     graceful stop, `held_event` is set while the allowance holds generation with no group in flight (the
     trainer then knows no more samples are coming and trains on what it has), `dataset_skip_positions`
-    are prompts a resumed run had done already (past `dataset_start_index`), and `client` may be given
-    (any harness.generation.protocol.SamplingServer; tests pass harness.testing.FakeGenerationServer).
+    are prompts a resumed run had done already (past `dataset_start_index`), `client` may be given
+    (any harness.generation.protocol.SamplingServer; tests pass harness.testing.FakeGenerationServer), and
+    `share` is set when this is one of several worker processes (prompts and allowance shared, see
+    harness/rollout/sharing.py).
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class AsyncRolloutLoop:
         stop_event: multiprocessing.synchronize.Event | None = None,
         held_event: multiprocessing.synchronize.Event | None = None,
         client: Any = None,
+        share: WorkerShare | None = None,
     ):
         self.config = config
         self.model_name = model_name
@@ -153,6 +158,7 @@ class AsyncRolloutLoop:
         self.stop_event = stop_event
         self.held_event = held_event
         self.client = client
+        self.share = share  # set when this is one of several worker processes (harness/rollout/sharing.py)
         self.sampling = SamplingConfig(
             max_tokens=config.max_completion_length,
             temperature=config.temperature,
@@ -164,8 +170,7 @@ class AsyncRolloutLoop:
         )
         self.window = MetricsWindow()
         self.tool_stats = ToolStats()  # tool calls and parse errors, folded into the window at each flush
-        self.group_ids = iter(range(1 << 62))
-        self.tokens_produced = 0
+        self.group_ids = share.group_ids() if share is not None else itertools.count()
         self.generated_tokens = 0
         self.max_model_len: int | None = None
         self._last_flush = time.monotonic()
@@ -355,7 +360,7 @@ class AsyncRolloutLoop:
         first_load = await self.client.server_load()
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts, self.max_model_len or 1, first_load)
         self.rollout_slots = anyio.CapacityLimiter(self.cap.value)
-        self.gate = TokenGate()
+        self.gate = self.share.gate() if self.share is not None else TokenGate()
         self.breaker = FailureBreaker(config.failure_window, config.max_failure_frac)
         self.in_flight = 0
 
@@ -365,70 +370,85 @@ class AsyncRolloutLoop:
         async with anyio.create_task_group() as groups:
             self._groups_scope = groups.cancel_scope
             accepted_this_epoch, current_epoch = 0, None
+            # another process may have taken an epoch's accepted prompts: only one worker can tell
+            whole_epochs = self.share is None or self.share.count == 1
             for position, row_index, epoch, row in self._prompt_stream():
                 if self._stop_requested():
                     break
                 if epoch != current_epoch:
-                    if current_epoch is not None and accepted_this_epoch == 0:
+                    if whole_epochs and current_epoch is not None and accepted_this_epoch == 0:
                         raise RuntimeError(f"filter_prompt rejected every prompt of epoch {current_epoch}")
                     current_epoch, accepted_this_epoch = epoch, 0
                 if not self.filter_prompt(row_index, row, epoch):
                     self.rollout_buffer.put(GroupResult(position, row_index, []))
                     continue
                 accepted_this_epoch += 1
-                await self._wait_for_allowance()
-                self.gate.group_started()
+                if not await self._wait_to_start_group():
+                    break  # a stop was asked for
                 groups.start_soon(self._run_group, position, row_index, row)
 
     def _prompt_stream(self) -> Iterator[tuple[int, int, int, dict[str, Any]]]:
         """(position, row index, epoch, row) forever, or for the configured epochs: each epoch a fresh
         seeded shuffle; environment-only runs get empty rows."""
-        position = self.dataset_start_index
         if self.dataset is None:
-            while True:
-                if position not in self.dataset_skip_positions:
-                    yield position, position, 0, {}
-                position += 1
+            for position in self._positions():
+                yield position, position, 0, {}
         if not hasattr(self.dataset, "__len__"):  # a streaming dataset cannot be repositioned
             for index, row in enumerate(self.dataset):
-                yield index, index, 0, dict(row)
+                if self.share is None or self.share.owns_streamed_row(index):
+                    yield index, index, 0, dict(row)
             return
         size = len(self.dataset)
         if size == 0:
             raise ValueError("the training dataset is empty")
         epochs = math.ceil(self.config.num_train_epochs) if self.config.max_steps <= 0 else None
-        while epochs is None or position < epochs * size:
-            if position in self.dataset_skip_positions:
-                position += 1
-                continue
+        order_epoch, order = -1, np.arange(0)
+        for position in self._positions():
+            if epochs is not None and position >= epochs * size:
+                return
             epoch, index = divmod(position, size)
-            order = np.random.default_rng(self.config.seed + epoch).permutation(size)
+            if epoch != order_epoch:
+                order_epoch, order = epoch, np.random.default_rng(self.config.seed + epoch).permutation(size)
             row_index = int(order[index])
             yield position, row_index, epoch, dict(self.dataset[row_index])
-            position += 1
 
-    async def _wait_for_allowance(self) -> None:
-        """Wait until the token allowance admits another group and the concurrency cap has room for it."""
+    def _positions(self) -> Iterator[int]:
+        """Prompt positions from dataset_start_index on, less those done before a resume; with several worker
+        processes, those this one claims from the shared cursor (which starts at dataset_start_index)."""
+        if self.share is not None:
+            positions = self.share.claim_positions()
+        else:
+            positions = itertools.count(self.dataset_start_index)
+        for position in positions:
+            if position not in self.dataset_skip_positions:
+                yield position
+
+    async def _wait_to_start_group(self) -> bool:
+        """Wait until the token allowance admits another group and the concurrency cap has room for it,
+        and count it as started; False when a stop came first."""
         await anyio.lowlevel.checkpoint()
         waited = 0.0
-        while not self._may_start_group():
+        while not self._try_start_group():
             if self._stop_requested():
-                return
-            if self.held_event is not None and self.gate.groups_in_flight == 0:
-                self.held_event.set()  # nothing more reaches the queue until the allowance is raised
+                return False
+            if self.held_event is not None and self.gate.in_flight_everywhere == 0:
+                # nothing more reaches the queue until the allowance is raised (with several processes:
+                # none has a group in flight, so none can finish one and change what the gate says)
+                self.held_event.set()
             await anyio.sleep(0.01)
             waited += 0.01
         if self.held_event is not None:
             self.held_event.clear()
         if waited:
             self.window.add("rollout/backpressure_s", waited)
+        return True
 
-    def _may_start_group(self) -> bool:
-        if not self.gate.may_start(self.tokens_produced, int(self.token_allowance.value)):
-            return False
+    def _try_start_group(self) -> bool:
         # Rollouts beyond the cap would only queue for a slot; keep at most one group's worth waiting.
         reserved = self.gate.groups_in_flight * self.config.num_generations
-        return reserved < self.rollout_slots.total_tokens
+        if reserved >= self.rollout_slots.total_tokens:
+            return False
+        return self.gate.try_start(int(self.token_allowance.value))
 
     # --- a group and its rollouts ---------------------------------------------------------------------
 
@@ -555,8 +575,7 @@ class AsyncRolloutLoop:
                 started = time.monotonic()
                 result = await self._score(group, position)
                 self.window.add("rollout/score_s", time.monotonic() - started)
-                self.tokens_produced += result.num_tokens
-                self.gate.group_finished(result.num_tokens or 1)
+                self.gate.group_finished(result.num_tokens)
                 self._flush_metrics()  # the group's metrics reach the trainer before its samples do
                 self.rollout_buffer.put(result)
 

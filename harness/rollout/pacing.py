@@ -7,7 +7,7 @@ Three limits decide it (the reference's "Concurrency" section):
   full rows). Tokens are counted as packed, a group's prompt once (`GroupResult.num_tokens`); the trainer
   gives each sample's share back when it trains or drops it. A group starts only while the queue plus the
   estimated tokens of the groups in flight stay under it; until the first group finishes, there is no
-  estimate, so one group runs at a time.
+  estimate, so one group runs at a time. Several worker processes share one gate (harness/rollout/sharing.py).
 - Server load, `ConcurrencyCap`: a live cap on rollouts in flight that follows the server's /metrics. It
   starts at the requests that fit in the KV cache at full length (KV tokens / max_model_len), grows by
   25% while KV usage stays below 60% and nothing waits (at most once per cap's worth of finished
@@ -20,9 +20,11 @@ what is left or spinning forever.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from harness.generation.server_load import ServerLoad
 
@@ -30,32 +32,64 @@ from harness.generation.server_load import ServerLoad
 class TokenGate:
     """Whether a new group may start, given the token allowance (see the module docstring).
 
-    The worker calls `group_started()` / `group_finished(tokens)` around each group and
-    `tokens_queued` is what it pushed minus what the trainer consumed.
+    The worker calls `try_start(allowance)` before a group (it counts the group as started when it says
+    yes) and `group_finished(tokens)` once the group is queued; `produced` is what it queued in all.
+    With `shared` (an int64 Array of SHARED_SLOTS, `multiprocessing.Array("q", SHARED_SLOTS)`) the counts
+    are those of every worker process holding that array, read and changed under its lock: several
+    processes keep one allowance exactly as one process would. `groups_in_flight` stays this process's.
     """
 
-    def __init__(self) -> None:
+    SHARED_SLOTS = 4
+    _IN_FLIGHT, _FINISHED_GROUPS, _FINISHED_TOKENS, _PRODUCED = range(SHARED_SLOTS)
+
+    def __init__(self, shared: Any = None) -> None:
         self.groups_in_flight = 0
-        self._finished_groups = 0
-        self._finished_tokens = 0
+        self._counts: Any = shared if shared is not None else [0] * self.SHARED_SLOTS
+        self._lock: Any = shared.get_lock() if shared is not None else contextlib.nullcontext()
+
+    @property
+    def produced(self) -> int:
+        return int(self._counts[self._PRODUCED])
+
+    @property
+    def in_flight_everywhere(self) -> int:
+        """Groups in flight in every process sharing the gate (this process's alone when not shared)."""
+        return int(self._counts[self._IN_FLIGHT])
 
     def may_start(self, tokens_queued: int, allowance: int) -> bool:
-        if self._finished_groups == 0:
-            return self.groups_in_flight == 0  # no estimate yet: one group at a time
-        return tokens_queued + self.in_flight_estimate() < max(allowance, 1)
+        with self._lock:
+            if self._counts[self._FINISHED_GROUPS] == 0:
+                return self._counts[self._IN_FLIGHT] == 0  # no estimate yet: one group at a time
+            return tokens_queued + self.in_flight_estimate() < max(allowance, 1)
+
+    def try_start(self, allowance: int) -> bool:
+        """Start a group if the allowance admits it (checked and counted as one step)."""
+        with self._lock:
+            if not self.may_start(self.produced, allowance):
+                return False
+            self.group_started()
+            return True
 
     def in_flight_estimate(self) -> float:
-        if self._finished_groups == 0:
-            return 0.0
-        return self.groups_in_flight * self._finished_tokens / self._finished_groups
+        with self._lock:
+            finished = self._counts[self._FINISHED_GROUPS]
+            if finished == 0:
+                return 0.0
+            return self._counts[self._IN_FLIGHT] * self._counts[self._FINISHED_TOKENS] / finished
 
     def group_started(self) -> None:
-        self.groups_in_flight += 1
+        with self._lock:
+            self.groups_in_flight += 1
+            self._counts[self._IN_FLIGHT] += 1
 
     def group_finished(self, tokens: int) -> None:
-        self.groups_in_flight -= 1
-        self._finished_groups += 1
-        self._finished_tokens += tokens
+        """A group was queued with `tokens` (0 when none of it trains: it still counts for the estimate)."""
+        with self._lock:
+            self.groups_in_flight -= 1
+            self._counts[self._IN_FLIGHT] -= 1
+            self._counts[self._FINISHED_GROUPS] += 1
+            self._counts[self._FINISHED_TOKENS] += max(tokens, 1)
+            self._counts[self._PRODUCED] += tokens
 
 
 class ConcurrencyCap:

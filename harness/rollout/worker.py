@@ -17,12 +17,17 @@ Failure: an exception in the worker is sent to the trainer with its traceback an
 `RolloutWorkerError`; a worker that exits, or whose heartbeat is older than `heartbeat_timeout_s`, is
 reported the same way. Stopping closes the worker's environments and sandboxes (its loop unwinds on the
 stop event or on SIGTERM); whatever a SIGKILL leaves, the sandbox reaper removes.
+
+`num_processes=N` spawns N such processes behind the one handle: one queue of results, one allowance, the
+prompts claimed from a shared cursor (harness/rollout/sharing.py); `finished` once all ran out of prompts,
+`held` while all are held, and `check` names the process that failed.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -38,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.rollout.sharing import WorkerShare
 from harness.types import GroupResult
 from sandboxes.owner import Owner, process_start_ticks, this_owner
 
@@ -87,13 +93,15 @@ def _is_main_test(test: ast.expr) -> bool:
 def refuse_in_worker_bootstrap() -> None:
     """Inside the spawned worker while it re-imports the training script: a trainer being built there means
     the script has no main guard; fail at once, before a model loads (the trainer then says why)."""
-    if multiprocessing.current_process().name == WORKER_PROCESS_NAME:
+    if multiprocessing.current_process().name.startswith(WORKER_PROCESS_NAME):
         raise RuntimeError(f"a trainer was created inside the rollout worker: {MAIN_GUARD_HINT}")
 
 
 @dataclass
 class _Finished:
-    """Sent by the worker when its prompts are exhausted."""
+    """Sent by a worker process when its prompts are exhausted."""
+
+    index: int = 0
 
 
 @dataclass
@@ -110,6 +118,7 @@ class WorkerChannels:
     stop_event: Any
     held_event: Any
     entered_event: Any  # set once worker_main runs: the child got past re-importing the training script
+    share: WorkerShare | None = None  # with several worker processes: what they share, and which this is
 
     @classmethod
     def create(cls, context: Any, token_allowance: int) -> WorkerChannels:
@@ -124,6 +133,17 @@ class WorkerChannels:
             stop_event=context.Event(),
             held_event=context.Event(),
             entered_event=context.Event(),
+        )
+
+    def for_process(self, context: Any, share: WorkerShare) -> WorkerChannels:
+        """Another worker process's channels: the queues, the stop and failure events, the policy version and
+        the allowance shared; its own heartbeat, held and entered flags."""
+        return dataclasses.replace(
+            self,
+            heartbeat_value=context.Value("d", time.time()),
+            held_event=context.Event(),
+            entered_event=context.Event(),
+            share=share,
         )
 
 
@@ -148,6 +168,8 @@ def worker_main(payload_path: str, channels: WorkerChannels, log_level: int | No
     _exit_with_parent()
     import anyio
 
+    if channels.share is not None:
+        loop_kwargs = {**loop_kwargs, "share": channels.share}
     try:
         loop = loop_cls(
             **loop_kwargs,
@@ -162,7 +184,7 @@ def worker_main(payload_path: str, channels: WorkerChannels, log_level: int | No
             held_event=channels.held_event,
         )
         anyio.run(loop.run)
-        channels.rollout_buffer.put(_Finished())
+        channels.rollout_buffer.put(_Finished(channels.share.index if channels.share is not None else 0))
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and channels.stop_event.is_set()):
             channels.exception_info_queue.put(describe_failure(exc))
@@ -205,7 +227,8 @@ def _exit_with_parent() -> None:
 
 
 class RolloutWorker:
-    """The trainer's handle on the rollout process (see the module docstring)."""
+    """The trainer's handle on the rollout process, or on `num_processes` of them sharing the prompts and the
+    token allowance (harness/rollout/sharing.py); see the module docstring."""
 
     def __init__(
         self,
@@ -214,66 +237,91 @@ class RolloutWorker:
         *,
         heartbeat_timeout_s: float = 300.0,
         initial_token_allowance: int = 1 << 40,
+        num_processes: int = 1,
     ):
+        if num_processes < 1:
+            raise ValueError(f"num_processes must be at least 1, got {num_processes}")
         self.loop_cls = loop_cls
         self.loop_kwargs = dict(loop_kwargs)
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.num_processes = num_processes
         self._context = multiprocessing.get_context("spawn")
         self.channels = WorkerChannels.create(self._context, initial_token_allowance)
-        self._process: Any = None
-        self._payload: Path | None = None  # the loop's arguments, until the worker has read them
-        self._owner: Owner | None = None  # the worker as the owner its sandboxes name
-        self.finished = False
+        self._process_channels = [self.channels]  # one per process (the first is `channels`)
+        if num_processes > 1:
+            share = WorkerShare.create(
+                self._context, num_processes, int(self.loop_kwargs.get("dataset_start_index", 0))
+            )
+            self._process_channels = [
+                self.channels.for_process(self._context, share.for_process(index))
+                for index in range(num_processes)
+            ]
+        self._processes: list[Any] = []
+        self._payloads: list[Path] = []  # the loop's arguments, until each process has read them
+        self._owners: list[Owner] = []  # each process as the owner its sandboxes name
+        self._finished: set[int] = set()  # the processes whose prompts are exhausted
+
+    @property
+    def finished(self) -> bool:
+        """Whether every worker process has run out of prompts."""
+        return len(self._finished) == self.num_processes
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def start(self) -> None:
         check_main_guard()
         check_picklable(self.loop_cls, self.loop_kwargs)
+        for index, channels in enumerate(self._process_channels):
+            self._start_process(index, channels)
+
+    def _start_process(self, index: int, channels: WorkerChannels) -> None:
         # The loop's arguments (the dataset among them) go through a private file, so what spawn writes
         # into the child's pipe stays small: Process.start() writes it whole and, holding the pipe's read
         # end itself, blocks forever once it outgrows the pipe if the child died before reading it (a
         # training script without a main guard), instead of returning so `check` can say why.
         descriptor, path = tempfile.mkstemp(prefix="agent-harness-worker-", suffix=".pickle")
-        self._payload = Path(path)
+        self._payloads.append(Path(path))
         with os.fdopen(descriptor, "wb") as payload:
             pickle.dump((self.loop_cls, self.loop_kwargs), payload)
-        self._process = self._context.Process(
+        process = self._context.Process(
             target=worker_main,
-            args=(path, self.channels, _parent_log_level()),
-            name=WORKER_PROCESS_NAME,
+            args=(path, channels, _parent_log_level()),
+            name=WORKER_PROCESS_NAME if self.num_processes == 1 else f"{WORKER_PROCESS_NAME}-{index}",
             daemon=True,
         )
         try:
-            self._process.start()
+            process.start()
         except (BrokenPipeError, EOFError) as exc:  # the child died while it re-imported the script
-            self._payload.unlink(missing_ok=True)
+            Path(path).unlink(missing_ok=True)
             raise RolloutWorkerError(
                 f"the rollout worker died while it started ({type(exc).__name__}); {MAIN_GUARD_HINT}"
             ) from exc
-        pid = self._process.pid
-        self._owner = Owner(this_owner().host, pid, process_start_ticks(pid) or 0)
+        self._processes.append(process)
+        pid = process.pid
+        assert pid is not None  # started
+        self._owners.append(Owner(this_owner().host, pid, process_start_ticks(pid) or 0))
 
     def stop(self, graceful_s: float = 30.0) -> None:
-        """Stop the worker: ask, then SIGTERM, then SIGKILL. Idempotent."""
-        if self._process is None:
+        """Stop the worker processes: ask, then SIGTERM, then SIGKILL. Idempotent."""
+        if not self._processes:
             return
         self.channels.stop_event.set()
         deadline = time.monotonic() + graceful_s
-        while self._process.is_alive() and time.monotonic() < deadline:
-            # Keep reading while it winds down: a worker blocked writing into a full pipe cannot exit.
+        while (alive := self._alive()) and time.monotonic() < deadline:
+            # Keep reading while they wind down: a worker blocked writing into a full pipe cannot exit.
             _drain(self.channels.rollout_buffer)
             _drain(self.channels.metrics_queue)
-            self._process.join(0.05)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(15.0)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._process = None
-        if self._payload is not None:
-            self._payload.unlink(missing_ok=True)  # a worker that died before reading it
+            alive[0].join(0.05)
+        for process in self._alive():
+            process.terminate()
+        for process in self._alive():
+            process.join(15.0)
+        for process in self._alive():
+            process.kill()
+            process.join()
+        self._processes = []
+        for payload in self._payloads:
+            payload.unlink(missing_ok=True)  # a worker that died before reading it
         self._reap_sandboxes()
         # Not read again: a process killed mid-write can leave half a message in the pipe.
         for channel in (
@@ -283,22 +331,26 @@ class RolloutWorker:
         ):
             channel.close()
 
+    def _alive(self) -> list[Any]:
+        return [process for process in self._processes if process.is_alive()]
+
     def _reap_sandboxes(self) -> None:
-        """What of the worker's local sandboxes outlived it: a sandbox it was starting as it died can leave a
-        bwrap namespace child that waits forever, and a SIGKILL skips its cleanup. The reaper finds them
-        by their owner, the worker, now gone."""
+        """What of the workers' local sandboxes outlived them: a sandbox a worker was starting as it died can
+        leave a bwrap namespace child that waits forever, and a SIGKILL skips its cleanup. The reaper finds
+        them by their owner, the worker process, now gone."""
         from sandboxes.reaper import reap_local_dirs, reap_local_executors
 
-        if self._owner is None:
-            return
-        killed = reap_local_executors(owner=self._owner)
-        removed = reap_local_dirs(owner=self._owner)
-        if killed or removed:
-            log.warning(
-                "the rollout worker left %d sandbox processes and %d sandbox directories: removed",
-                len(killed),
-                len(removed),
-            )
+        for owner in self._owners:
+            killed = reap_local_executors(owner=owner)
+            removed = reap_local_dirs(owner=owner)
+            if killed or removed:
+                log.warning(
+                    "the rollout worker (pid %d) left %d sandbox processes and %d sandbox directories: "
+                    "removed",
+                    owner.pid,
+                    len(killed),
+                    len(removed),
+                )
 
     def __enter__(self) -> RolloutWorker:
         self.start()
@@ -310,7 +362,8 @@ class RolloutWorker:
     # --- talking to it --------------------------------------------------------------------------------
 
     def get(self, timeout_s: float = 1.0) -> GroupResult | None:
-        """The next group's result, or None after `timeout_s`; raises if the worker failed or hung."""
+        """The next group's result, or None after `timeout_s` (or when a process ran out of prompts: see
+        `finished`); raises if a worker process failed or hung."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -323,31 +376,33 @@ class RolloutWorker:
                     return None
                 continue
             if isinstance(item, _Finished):
-                self.finished = True
+                self._finished.add(item.index)
                 return None
             return item
 
     def check(self) -> None:
-        """Raise RolloutWorkerError if the worker reported an error, exited, or stopped beating."""
+        """Raise RolloutWorkerError if a worker process reported an error, exited, or stopped beating."""
         if self.channels.failed_event.is_set():
             try:
                 detail = self.channels.exception_info_queue.get(timeout=5.0)
             except queue.Empty:
                 detail = "(no traceback arrived)"
             raise RolloutWorkerError(f"the rollout worker failed:\n{detail}")
-        if self._process is not None and not self._process.is_alive() and not self.finished:
-            message = f"the rollout worker exited unexpectedly (exit code {self._process.exitcode})"
-            if not self.channels.entered_event.is_set():  # it died re-importing the training script
-                message += (
-                    f" while it started, before its entry point ran (its error is above): {MAIN_GUARD_HINT}"
+        for index, process in enumerate(self._processes):
+            channels = self._process_channels[index]
+            which = "" if self.num_processes == 1 else f" {index} of {self.num_processes} (pid {process.pid})"
+            if not process.is_alive() and index not in self._finished:
+                message = f"the rollout worker{which} exited unexpectedly (exit code {process.exitcode})"
+                if not channels.entered_event.is_set():  # it died re-importing the training script
+                    message += " while it started, before its entry point ran (its error is above): "
+                    message += MAIN_GUARD_HINT
+                raise RolloutWorkerError(message)
+            age = time.time() - channels.heartbeat_value.value
+            if index not in self._finished and age > self.heartbeat_timeout_s:
+                raise RolloutWorkerError(
+                    f"the rollout worker{which} sent no heartbeat for {age:.0f} s (rollout_worker_timeout "
+                    f"is {self.heartbeat_timeout_s:g} s): it is hung"
                 )
-            raise RolloutWorkerError(message)
-        age = time.time() - self.channels.heartbeat_value.value
-        if self._process is not None and age > self.heartbeat_timeout_s:
-            raise RolloutWorkerError(
-                f"the rollout worker sent no heartbeat for {age:.0f} s (rollout_worker_timeout is "
-                f"{self.heartbeat_timeout_s:g} s): it is hung"
-            )
 
     def drain_metrics(self) -> list[dict[str, list[float]]]:
         windows = []
@@ -362,14 +417,18 @@ class RolloutWorker:
     def set_token_allowance(self, tokens: int) -> None:
         raised = tokens > self.channels.token_allowance.value
         self.channels.token_allowance.value = tokens
-        if raised:  # `held` described the old allowance; the worker sets it again if it still holds
-            self.channels.held_event.clear()
+        if raised:  # `held` described the old allowance; each process sets it again if it still holds
+            for channels in self._process_channels:
+                channels.held_event.clear()
 
     @property
     def held(self) -> bool:
-        """Whether generation waits for a higher token allowance with no group in flight: until the
-        allowance is raised, nothing more reaches the queue."""
-        return self.channels.held_event.is_set()
+        """Whether generation waits for a higher token allowance with no group in flight (in every process
+        that still has prompts): until the allowance is raised, nothing more reaches the queue."""
+        return all(
+            channels.held_event.is_set() or index in self._finished
+            for index, channels in enumerate(self._process_channels)
+        )
 
 
 def check_picklable(loop_cls: type, loop_kwargs: Mapping[str, Any]) -> None:

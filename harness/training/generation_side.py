@@ -36,6 +36,7 @@ import torch
 
 from harness.config import AsyncGRPOConfig
 from harness.generation.router import server_urls
+from harness.rollout.sharing import share_of
 from harness.rollout.worker import RolloutWorker
 from harness.training.processes import Processes
 from harness.weight_sync.plan import build_weight_sync, dtype_mismatch, plan_weight_sync_for_servers
@@ -214,6 +215,12 @@ def start_rollout_worker(
     The caller stops it."""
     worker_args = copy.copy(args)
     worker_args.vllm_server_base_url = list(base_urls)
+    processes = args.num_rollout_workers
+    if processes > 1:  # the limits are totals: each worker process gets its share
+        worker_args.max_concurrent_rollouts = share_of(args.max_concurrent_rollouts, processes)
+        if args.sandbox_min_idle:
+            worker_args.sandbox_min_idle = share_of(args.sandbox_min_idle, processes)
+        worker_args.sandbox_engine_max_sandboxes = share_of(args.sandbox_engine_max_sandboxes, processes)
     kwargs: dict[str, Any] = {
         **loop_kwargs,
         "config": worker_args,
@@ -231,6 +238,7 @@ def start_rollout_worker(
         kwargs,
         heartbeat_timeout_s=args.rollout_worker_timeout,
         initial_token_allowance=token_allowance,
+        num_processes=processes,
     )
     worker.start()
     worker.set_model_version(version)
