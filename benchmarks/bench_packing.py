@@ -31,7 +31,11 @@ cascade over the row in place), (b) our unpacked padding-free row, (c) a plain t
 stock SDPA attention on the samples as a padded batch, the head applied to its hidden states at the same
 tokens. For each: the first call (compilation included), the steady step (median), trained and forwarded
 tokens/s, MFU and peak memory; on a GPU also (a) with the fallback layout that gathers each segment's path
-(`a_tree_gather`), at 4k (a) with the flex backend, and at 16k (a) with the modular head.
+(`a_tree_gather`), at 4k (a) with the flex backend, and at 16k (a) with the modular head. Beside the
+packing ratio, the model FLOPs ratio ((c)'s model FLOPs over (a)'s): the speed-up (a) would have over (c) at
+equal MFU. With --no-gradient-checkpointing, --micro-batch-samples 2 runs (b) and (c) in micro-batches of two
+samples (gradients accumulated), as they must to fit at 16k-32k; a way that runs out of memory is recorded
+as such and the others still run.
 """
 
 from __future__ import annotations
@@ -380,25 +384,34 @@ def forking_samples(row_tokens: int, vocab: int) -> list[TrainingSample]:
 
 
 def plain_step(
-    model: torch.nn.Module, row: PackedRow, samples: list[TrainingSample], config: LossConfig, chunk: int
+    model: torch.nn.Module,
+    batches: list[tuple[PackedRow, list[TrainingSample]]],
+    config: LossConfig,
+    chunk: int,
 ) -> float:
-    """(c): the stock model (SDPA) on the samples as one padded batch; the same fused head on its hidden
-    states, laid out as the unpacked row (each sample's tokens in turn)."""
-    device = row.input_ids.device
-    lengths = [len(s.sequence.input_ids) for s in samples]
-    batch = torch.zeros(len(samples), max(lengths), dtype=torch.long, device=device)
-    attention = torch.zeros_like(batch)
-    for b, sample in enumerate(samples):
-        batch[b, : lengths[b]] = torch.tensor(sample.sequence.input_ids, device=device)
-        attention[b, : lengths[b]] = 1
-    hidden = model.get_decoder()(input_ids=batch, attention_mask=attention, use_cache=False).last_hidden_state
-    hidden_T_H = torch.cat([hidden[b, : lengths[b]] for b in range(len(samples))])
-    out = fused_policy_loss(
-        hidden_T_H, row, model.get_output_embeddings().weight, config,
-        num_trained_tokens_global=row.num_trained, chunk_size=chunk,
-    )  # fmt: skip
-    out.loss.backward()
-    return float(out.loss.detach())
+    """(c): the stock model (SDPA) on each micro-batch of samples as a padded batch, gradients accumulated;
+    the same fused head on its hidden states, laid out as the micro-batch's unpacked row (each sample's
+    tokens in turn), normalised by the step's trained tokens."""
+    num_trained = sum(row.num_trained for row, _ in batches)
+    losses = []
+    for row, samples in batches:
+        device = row.input_ids.device
+        lengths = [len(s.sequence.input_ids) for s in samples]
+        batch = torch.zeros(len(samples), max(lengths), dtype=torch.long, device=device)
+        attention = torch.zeros_like(batch)
+        for b, sample in enumerate(samples):
+            batch[b, : lengths[b]] = torch.tensor(sample.sequence.input_ids, device=device)
+            attention[b, : lengths[b]] = 1
+        decoder = model.get_decoder()
+        hidden = decoder(input_ids=batch, attention_mask=attention, use_cache=False).last_hidden_state
+        hidden_T_H = torch.cat([hidden[b, : lengths[b]] for b in range(len(samples))])
+        out = fused_policy_loss(
+            hidden_T_H, row, model.get_output_embeddings().weight, config,
+            num_trained_tokens_global=num_trained, chunk_size=chunk,
+        )  # fmt: skip
+        out.loss.backward()
+        losses.append(out.loss.detach())
+    return float(torch.stack(losses).sum())
 
 
 def measure_way(
@@ -470,12 +483,19 @@ def run_sweep(
     for name, samples, with_flex, with_modular in workloads:
         tree = pack_row(samples).to(device)
         flat = pack_row(samples, share_prefixes=False).to(device)
+        # (b) and (c) in micro-batches of --micro-batch-samples samples (one micro-batch when 0)
+        per_batch = args.micro_batch_samples or len(samples)
+        batches = [samples[i : i + per_batch] for i in range(0, len(samples), per_batch)]
+        flat_rows = [pack_row(batch, share_prefixes=False).to(device) for batch in batches]
         entry: dict[str, Any] = {
             "samples": len(samples),
             "tree_tokens": tree.num_tokens,
             "unpacked_tokens": flat.num_tokens,
             "trained_tokens": tree.num_trained,
             "packing_ratio": flat.num_tokens / tree.num_tokens,
+            # the speed-up at equal MFU: the unpacked samples' model FLOPs over the tree's (attention pairs
+            # shrink less than tokens, as each completion still attends to its whole prompt)
+            "flops_ratio": model_flops([flat], shape) / model_flops([tree], shape),
         }
         print(
             f"  {name}: {len(samples)} samples, {tree.num_tokens} tree tokens, {flat.num_tokens} unpacked "
@@ -485,7 +505,7 @@ def run_sweep(
         chunk = args.chunk_size
         ways: list[tuple[str, Any, PackedRow]] = [
             ("a_tree", functools.partial(run_step, model, [tree], config, chunk, True), tree),
-            ("b_unpacked", functools.partial(run_step, model, [flat], config, chunk, True), flat),
+            ("b_unpacked", functools.partial(run_step, model, flat_rows, config, chunk, True), flat),
         ]
         if device.type == "cuda":  # the fallback layout: each segment's path gathered (K/V copied)
             gather = functools.partial(_with_backend, model, tree, config, chunk, "varlen_gather")
@@ -502,35 +522,39 @@ def run_sweep(
                     tree,
                 )
             )
+        plain_batches = list(zip(flat_rows, batches, strict=True))
+        plain = functools.partial(plain_step, model, plain_batches, config, chunk)
+        ways.append(("c_plain_sdpa", plain, flat))
         for way, step, row in ways:
             tokens = (row.num_tokens, row.num_trained)
-            entry[way] = measure_way(way, step, model_flops([row], shape), tokens, device, args.iters)
-            model.zero_grad(set_to_none=True)
-        model.set_attn_implementation("sdpa")
-        try:
-            plain = functools.partial(plain_step, model, flat, samples, config, chunk)
-            tokens = (flat.num_tokens, flat.num_trained)
-            entry["c_plain_sdpa"] = measure_way(
-                "c_plain_sdpa", plain, model_flops([flat], shape), tokens, device, args.iters
-            )
-        except torch.OutOfMemoryError:
-            entry["c_plain_sdpa"] = {"error": "out of memory"}
-        finally:
-            model.set_attn_implementation(ATTENTION_NAME)
-            model.zero_grad(set_to_none=True)
+            if way == "c_plain_sdpa":
+                model.set_attn_implementation("sdpa")
+            try:
+                entry[way] = measure_way(way, step, model_flops([row], shape), tokens, device, args.iters)
+            except torch.OutOfMemoryError:  # recorded, and the other ways still run
+                entry[way] = {"error": "out of memory"}
+                print(f"    {way:14s} out of memory", flush=True)
+            finally:
+                model.set_attn_implementation(ATTENTION_NAME)
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         if args.profile and name == args.profile:
             model.set_attn_implementation("sdpa")
-            profile("c_plain_sdpa", functools.partial(plain_step, model, flat, samples, config, chunk))
+            profile("c_plain_sdpa", plain)
             model.set_attn_implementation(ATTENTION_NAME)
             profile("a_tree", functools.partial(run_step, model, [tree], config, chunk, True))
             model.zero_grad(set_to_none=True)
-        plain = entry["c_plain_sdpa"].get("step_s")
-        if plain:
-            entry["tree_speedup_over_plain"] = plain / entry["a_tree"]["step_s"]
+        plain_s, tree_s = entry["c_plain_sdpa"].get("step_s"), entry["a_tree"].get("step_s")
+        if plain_s and tree_s:
+            entry["tree_speedup_over_plain"] = plain_s / tree_s
             entry["speedup_over_packing_ratio"] = entry["tree_speedup_over_plain"] / entry["packing_ratio"]
+            entry["speedup_over_flops_ratio"] = entry["tree_speedup_over_plain"] / entry["flops_ratio"]
             print(
                 f"    tree {entry['tree_speedup_over_plain']:.2f}x faster than plain at packing ratio "
-                f"{entry['packing_ratio']:.2f} ({entry['speedup_over_packing_ratio']:.2f} of it; bar 0.90)",
+                f"{entry['packing_ratio']:.2f} ({entry['speedup_over_packing_ratio']:.2f} of it; bar 0.90), "
+                f"model FLOPs ratio {entry['flops_ratio']:.2f} "
+                f"({entry['speedup_over_flops_ratio']:.2f} of it)",
                 flush=True,
             )
         results[name] = entry
@@ -585,6 +609,13 @@ def main() -> None:
     parser.add_argument("--sweep-max-tokens", type=int, default=0, help="leave out longer sweep rows")
     parser.add_argument("--sweep-lengths", default="", help="only these sweep workloads (e.g. 16k,32k)")
     parser.add_argument("--profile", default="", help="profile one step of (a) and (c) at this workload")
+    parser.add_argument(
+        "--micro-batch-samples",
+        type=int,
+        default=0,
+        help="sweep: run (b) and (c) in micro-batches of this many samples (0: all in one), as a run "
+        "without gradient checkpointing must to fit",
+    )
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
     if args.preset == "tiny" and args.prompt_tokens == 1024:  # keep the CPU smoke test quick
