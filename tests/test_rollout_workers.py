@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from harness.config import AsyncGRPOConfig
+from harness.metrics import MetricsWindow
 from harness.rollout.loop import AsyncRolloutLoop
 from harness.rollout.pacing import TokenGate
-from harness.rollout.sharing import share_of
+from harness.rollout.sharing import combine_windows, share_of
 from harness.rollout.worker import RolloutWorker, RolloutWorkerError
 from harness.testing import FakeGenerationServer, build_tiny_tokenizer
 from harness.types import GroupResult
@@ -37,11 +38,13 @@ class FakeServerLoop(AsyncRolloutLoop):
     must cross the process boundary) and naming its process in the metrics of each group it scores."""
 
     async def run(self) -> None:
-        self.client = FakeGenerationServer(answer, tokenizer=self.tokenizer, latency_s=0.01)
+        # 50 ms a turn, 2 groups of 4 at a time: about 40 groups a second per process, so that a pass over
+        # a few hundred prompts outlasts the processes' start-up (seconds apart on a loaded machine)
+        self.client = FakeGenerationServer(answer, tokenizer=self.tokenizer, latency_s=0.05)
         await super().run()
 
     def compute_advantages(self, group):
-        self.window.add("test/worker_pid", float(os.getpid()))
+        self.window.add(f"test/groups_of_{os.getpid()}_count", 1)
         return super().compute_advantages(group)
 
 
@@ -93,8 +96,20 @@ def collect(worker: RolloutWorker, until, timeout_s: float = 90.0) -> list[Group
     return results
 
 
-def worker_pids(worker: RolloutWorker) -> list[float]:
-    return [pid for window in worker.drain_metrics() for pid in window.get("test/worker_pid", [])]
+def groups_per_process(worker: RolloutWorker, pids: list[int]) -> dict[int, float]:
+    """Groups each process scored, from the metrics the handle combined, read until they all exited (so that
+    their last windows are in; a process cannot exit before what it queued is read)."""
+    window = MetricsWindow()
+    deadline = time.monotonic() + 30
+    while True:
+        alive = any(process.is_alive() for process in worker._processes)
+        for state in worker.drain_metrics():
+            window.merge(state)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    summary = window.summary()
+    return {pid: summary.get(f"test/groups_of_{pid}_count", 0.0) for pid in pids}
 
 
 def assert_stopped_and_clean(worker: RolloutWorker, pids: list[int]) -> None:
@@ -108,22 +123,21 @@ def assert_stopped_and_clean(worker: RolloutWorker, pids: list[int]) -> None:
 
 
 def test_two_processes_take_every_prompt_exactly_once_in_the_one_process_order(tmp_path):
-    dataset = rows(40)
+    dataset = rows(300)
     worker = make_worker(tmp_path, dataset, processes=2)
     worker.start()
     pids = [process.pid for process in worker._processes]
     try:
         results = collect(worker, lambda _: worker.finished)
-        seen = worker_pids(worker)
+        counts = groups_per_process(worker, pids)
     finally:
         assert_stopped_and_clean(worker, pids)
     positions = [result.position for result in results]
-    assert sorted(positions) == list(range(40)), "a prompt was lost or taken twice"
-    order = np.random.default_rng(7).permutation(40)  # the one-process order: epoch 0's seeded shuffle
+    assert sorted(positions) == list(range(300)), "a prompt was lost or taken twice"
+    order = np.random.default_rng(7).permutation(300)  # the one-process order: epoch 0's seeded shuffle
     assert all(result.row_index == order[result.position] for result in results)
     assert all(len(result.samples) == 4 for result in results)
-    counts = {pid: seen.count(float(pid)) for pid in pids}
-    assert sum(counts.values()) == 40 and all(counts.values()), f"groups per process: {counts}"
+    assert sum(counts.values()) == 300 and all(counts.values()), f"groups per process: {counts}"
 
 
 def test_a_resumed_run_skips_what_it_had_done_across_both_processes(tmp_path):
@@ -206,3 +220,36 @@ def test_gates_on_one_shared_array_count_the_groups_of_both():
 def test_the_totals_are_split_between_processes():
     assert [share_of(total, 2) for total in (None, 1, 8, 9)] == [None, 1, 4, 5]
     assert share_of(7, 3) == 3
+
+
+def test_combined_metrics_sum_the_levels_and_count_shared_observations_once():
+    def window(**values: list[float]) -> dict[str, list[float]]:
+        w = MetricsWindow()
+        for name, observations in values.items():
+            for value in observations:
+                w.add(name.replace("__", "/"), value)
+        return w.state()
+
+    first = [  # two flushes of one process, one of the other
+        window(rollout__concurrency=[4, 6], rollout__vllm_preemption_count=[3], tools__bash__call_count=[2]),
+        window(rollout__concurrency=[5], sandbox__containers=[10], rollout__duration_s=[1.0, 3.0]),
+    ]
+    second = [
+        window(
+            rollout__concurrency=[2],
+            sandbox__containers=[7],
+            rollout__vllm_preemption_count=[3],
+            rollout__vllm_kv_cache_usage_frac=[0.5],
+            tools__bash__call_count=[5],
+            rollout__duration_s=[5.0],
+        )
+    ]
+    merged = MetricsWindow()
+    merged.merge(combine_windows([first, second]))
+    summary = merged.summary()
+    assert summary["rollout/concurrency"] == 5 + 2  # each process's mean level, summed
+    assert summary["sandbox/containers"] == 17
+    assert summary["rollout/vllm_preemption_count"] == 3  # both saw the same server's preemptions
+    assert summary["rollout/vllm_kv_cache_usage_frac"] == 0.5  # only one process polled in this window
+    assert summary["tools/bash/call_count"] == 7  # events merge as one process's would
+    assert summary["rollout/duration_s"] == pytest.approx(3.0)

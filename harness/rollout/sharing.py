@@ -13,7 +13,14 @@ and connections to the generation servers, and all writing to the one queue the 
 - the token allowance: one TokenGate whose counts (groups in flight, tokens queued, the per-group estimate)
   live in shared memory, checked and updated under one lock, so N processes stay within the allowance
   exactly as one would, and staleness is unchanged (the policy version is one shared value);
-- the stop, failure and metrics channels, and the policy version, as one worker has them.
+- the stop and failure channels and the policy version, as one worker has them.
+
+Metrics: each process sends its own windows, and the trainer's handle combines those drained together
+(`combine_windows`): events (turns, tool calls, failures, latencies) merge as one process's would; the
+levels each process samples of itself (rollouts in flight, its concurrency cap, its sandboxes) are summed
+over the processes, each process's mean first; what every process observes of the same servers and engines
+(the /metrics polls, servers and engines live or lost) is taken once, as the mean of the processes' values
+(a count as the largest), not added up N times.
 
 max_concurrent_rollouts, sandbox_min_idle and sandbox_engine_max_sandboxes are totals: each process gets
 its share (rounded up). Group ids are kept distinct by striding (process k numbers its groups k, k + N, ...).
@@ -26,7 +33,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, overload
 
+from harness.metrics import MetricsWindow, reduction
 from harness.rollout.pacing import TokenGate
+
+# Sampled by each process of itself: the run's level is the sum of the processes'.
+PROCESS_LEVELS = frozenset({"rollout/concurrency", "rollout/concurrency_cap", "sandbox/containers"})
+# Observed by every process of the same servers and engines: the run's value is one process's.
+SHARED_OBSERVATIONS = frozenset(
+    {
+        "rollout/vllm_kv_cache_usage_frac",
+        "rollout/vllm_running_requests",
+        "rollout/vllm_queued_requests",
+        "rollout/vllm_preemption_count",
+        "rollout/vllm_prefix_cache_hit_frac",
+        "rollout/vllm_servers_live",
+        "rollout/vllm_server_dropped_count",
+        "sandbox/engines_live",
+        "sandbox/engine_lost_count",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -77,3 +102,26 @@ def share_of(total: int | None, count: int) -> int | None:
     if total is None:
         return None
     return max(1, -(-int(total) // count))
+
+
+def combine_windows(per_process: list[list[dict[str, list[float]]]]) -> dict[str, list[float]]:
+    """One metrics window (a MetricsWindow state) from the windows each worker process sent: see the module
+    docstring for what is summed, what is taken once, and what merges as usual."""
+    combined = MetricsWindow()
+    across: dict[str, list[float]] = {}  # name -> each process's own reduced value
+    for states in per_process:
+        own = MetricsWindow()
+        for state in states:
+            own.merge({k: v for k, v in state.items() if k in PROCESS_LEVELS or k in SHARED_OBSERVATIONS})
+            combined.merge({k: v for k, v in state.items() if k not in PROCESS_LEVELS | SHARED_OBSERVATIONS})
+        for name, value in own.summary().items():
+            if value == value:  # NaN: nothing recorded
+                across.setdefault(name, []).append(value)
+    for name, values in across.items():
+        if name in PROCESS_LEVELS:
+            combined.add(name, sum(values))
+        elif reduction(name) == "sum":
+            combined.add(name, max(values))
+        else:
+            combined.add(name, sum(values) / len(values))
+    return combined.state()

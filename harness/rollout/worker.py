@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.rollout.sharing import WorkerShare
+from harness.rollout.sharing import WorkerShare, combine_windows
 from harness.types import GroupResult
 from sandboxes.owner import Owner, process_start_ticks, this_owner
 
@@ -136,10 +136,12 @@ class WorkerChannels:
         )
 
     def for_process(self, context: Any, share: WorkerShare) -> WorkerChannels:
-        """Another worker process's channels: the queues, the stop and failure events, the policy version and
-        the allowance shared; its own heartbeat, held and entered flags."""
+        """Another worker process's channels: the queue of results, the stop and failure events, the policy
+        version and the allowance shared; its own metrics queue (the handle combines the processes'
+        windows, harness/rollout/sharing.py) and heartbeat, held and entered flags."""
         return dataclasses.replace(
             self,
+            metrics_queue=context.Queue(),
             heartbeat_value=context.Value("d", time.time()),
             held_event=context.Event(),
             entered_event=context.Event(),
@@ -310,7 +312,8 @@ class RolloutWorker:
         while (alive := self._alive()) and time.monotonic() < deadline:
             # Keep reading while they wind down: a worker blocked writing into a full pipe cannot exit.
             _drain(self.channels.rollout_buffer)
-            _drain(self.channels.metrics_queue)
+            for channels in self._process_channels:
+                _drain(channels.metrics_queue)
             alive[0].join(0.05)
         for process in self._alive():
             process.terminate()
@@ -324,10 +327,12 @@ class RolloutWorker:
             payload.unlink(missing_ok=True)  # a worker that died before reading it
         self._reap_sandboxes()
         # Not read again: a process killed mid-write can leave half a message in the pipe.
+        metrics_queues = [c.metrics_queue for c in self._process_channels if c is not self.channels]
         for channel in (
             self.channels.rollout_buffer,
-            self.channels.metrics_queue,
             self.channels.exception_info_queue,
+            self.channels.metrics_queue,
+            *metrics_queues,
         ):
             channel.close()
 
@@ -405,11 +410,18 @@ class RolloutWorker:
                 )
 
     def drain_metrics(self) -> list[dict[str, list[float]]]:
-        windows = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                windows.append(self.channels.metrics_queue.get_nowait())
-        return windows
+        """The metrics windows sent since the last call; with several processes, one window combining theirs
+        (levels summed, what every process observes of the same servers taken once: combine_windows)."""
+        per_process = []
+        for channels in self._process_channels:
+            windows = []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    windows.append(channels.metrics_queue.get_nowait())
+            per_process.append(windows)
+        if self.num_processes == 1:
+            return per_process[0]
+        return [combine_windows(per_process)] if any(per_process) else []
 
     def set_model_version(self, version: int) -> None:
         self.channels.model_version_value.value = version
