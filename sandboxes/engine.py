@@ -25,6 +25,7 @@ import contextlib
 import os
 import ssl as ssl_module
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -202,16 +203,29 @@ def container_state(client: Any, container_id: str) -> str:
     return text
 
 
+# dockerd's overlay driver can fail a removal with "unable to remove filesystem ... directory not empty" while
+# the container's mounts are still being torn down (seen here removing 500 containers at once over two
+# engines); the same removal a moment later succeeds.
+REMOVE_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+
+
 def remove_container(client: Any, container_id: str) -> None:
-    """Remove a container, forced; a container already gone or being removed is not an error."""
+    """Remove a container, forced; a container already gone or being removed is not an error, and a removal
+    the engine fails while it is still unmounting the container is tried again (REMOVE_RETRY_DELAYS_S)."""
     import docker
 
-    with contextlib.suppress(docker.errors.NotFound):
+    for delay in (*REMOVE_RETRY_DELAYS_S, None):
         try:
             client.api.remove_container(container_id, force=True)
+            return
+        except docker.errors.NotFound:
+            return
         except docker.errors.APIError as exc:
-            if exc.status_code != 409:  # 409: removal already in progress
+            if exc.status_code == 409:  # removal already in progress
+                return
+            if delay is None or "unable to remove filesystem" not in str(exc.explanation or exc):
                 raise
+        time.sleep(delay)
 
 
 def remove_on(url: str, container_id: str) -> None:

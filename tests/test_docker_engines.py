@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+import types
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -158,6 +159,54 @@ def test_a_spec_takes_engines_as_a_comma_separated_string():
     spec = SandboxSpec(backend="docker", docker_engines="unix:///a.sock,tcp://10.0.0.2:2376")  # type: ignore[arg-type]
     assert spec.docker_engines == ("unix:///a.sock", "tcp://10.0.0.2:2376")
     hash(spec)
+
+
+class RemovingApi:
+    """The docker SDK's low-level API as far as remove_container uses it, failing the first `failures`
+    removals as dockerd does while a container's mounts are still being torn down."""
+
+    def __init__(self, failures: int, explanation: str):
+        self.failures, self.explanation, self.calls = failures, explanation, 0
+
+    def remove_container(self, container_id: str, force: bool) -> None:
+        import docker
+
+        self.calls += 1
+        if self.calls <= self.failures:
+            url = f"http+docker://localhost/v1.41/containers/{container_id}"
+            response = types.SimpleNamespace(status_code=500, reason="Internal Server Error", url=url)
+            raise docker.errors.APIError("500 Server Error", response=response, explanation=self.explanation)
+
+
+BUSY_FILESYSTEM = (
+    "unable to remove filesystem for c6ee26e8: unlinkat /data/containers/c6ee26e8: directory not empty"
+)
+
+
+@pytest.mark.parametrize(
+    ("failures", "explanation", "calls", "raises"),
+    [
+        (2, BUSY_FILESYSTEM, 3, False),  # tried again until the engine lets it go
+        (9, BUSY_FILESYSTEM, 5, True),  # not forever: the last error is raised
+        (1, "driver failed", 1, True),  # any other engine error at once
+    ],
+)
+def test_a_removal_the_engine_fails_while_unmounting_is_tried_again(
+    monkeypatch, failures, explanation, calls, raises
+):
+    import docker
+
+    from sandboxes import engine
+
+    monkeypatch.setattr(engine, "REMOVE_RETRY_DELAYS_S", (0.01, 0.01, 0.01, 0.01))
+    api = RemovingApi(failures, explanation)
+    client = types.SimpleNamespace(api=api)
+    if raises:
+        with pytest.raises(docker.errors.APIError, match="500"):
+            engine.remove_container(client, "c6ee26e8")
+    else:
+        engine.remove_container(client, "c6ee26e8")
+    assert api.calls == calls
 
 
 # --- two real engines -----------------------------------------------------------------------------------
