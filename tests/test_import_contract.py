@@ -48,7 +48,14 @@ MODULES = modules()
 
 def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[str, list[str], int]]:
     """(module, names imported from it, line) for each absolute import of the file."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    source = path.read_text(encoding="utf-8")
+    for attempt in range(5):
+        try:
+            tree = ast.parse(source)
+            break
+        except SystemError:  # CPython 3.11's AST depth count is shared by threads (python/cpython#106905):
+            if attempt == 4:  # another thread of this process parsing at the same time fails this one
+                raise
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = []
     for node in nodes:

@@ -11,12 +11,18 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import threading
 from collections.abc import Callable
 from fractions import Fraction
 
 MAX_EXPRESSION_CHARS = 500
 MAX_EXPONENT = 1_000
 MAX_INT_DIGITS = 1_000
+# Tools run in threads, many at once. CPython 3.11 keeps the AST constructor's recursion depth in state
+# shared by the interpreter's threads, and threaded programs see a rare spurious "SystemError: AST
+# constructor recursion depth mismatch" from ast.parse (python/cpython#106905; once in our CI): calculator
+# calls parse one at a time (an expression is at most MAX_EXPRESSION_CHARS, so the wait is microseconds).
+_PARSE_LOCK = threading.Lock()
 
 _BINARY: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] = {
     ast.Add: operator.add,
@@ -49,7 +55,8 @@ def evaluate(expression: str) -> Fraction:
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression is {len(expression)} characters; at most {MAX_EXPRESSION_CHARS}")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise CalculatorError(f"not an arithmetic expression: {exc.msg}") from None
     return _eval(tree.body)
