@@ -1,6 +1,6 @@
 """Several rollout worker processes: what they share, so that together they behave as one worker.
 
-One worker process runs every rollout by default; its event loop costs about 0.7 ms of CPU per turn, so a
+One worker process runs every rollout by default; it costs about 1 ms of CPU per turn, so a
 run with many short turns can be bound by that one core. With `num_rollout_workers` = N the trainer spawns
 N worker processes (harness/rollout/worker.py), each with its own environments, sandboxes, tool executor
 and connections to the generation servers, and all writing to the one queue the trainer reads. They share:
@@ -52,6 +52,7 @@ SHARED_OBSERVATIONS = frozenset(
         "sandbox/engine_lost_count",
     }
 )
+_COMBINED = PROCESS_LEVELS | SHARED_OBSERVATIONS
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,8 @@ def combine_windows(per_process: list[list[dict[str, list[float]]]]) -> dict[str
     for states in per_process:
         own = MetricsWindow()
         for state in states:
-            own.merge({k: v for k, v in state.items() if k in PROCESS_LEVELS or k in SHARED_OBSERVATIONS})
-            combined.merge({k: v for k, v in state.items() if k not in PROCESS_LEVELS | SHARED_OBSERVATIONS})
+            own.merge({k: v for k, v in state.items() if k in _COMBINED})
+            combined.merge({k: v for k, v in state.items() if k not in _COMBINED})
         for name, value in own.summary().items():
             if value == value:  # NaN: nothing recorded
                 across.setdefault(name, []).append(value)

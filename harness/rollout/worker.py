@@ -273,10 +273,11 @@ class RolloutWorker:
     def start(self) -> None:
         check_main_guard()
         check_picklable(self.loop_cls, self.loop_kwargs)
+        payload = pickle.dumps((self.loop_cls, self.loop_kwargs))  # once, however many processes read it
         for index, channels in enumerate(self._process_channels):
-            self._start_process(index, channels)
+            self._start_process(index, channels, payload)
 
-    def _start_process(self, index: int, channels: WorkerChannels) -> None:
+    def _start_process(self, index: int, channels: WorkerChannels, payload_bytes: bytes) -> None:
         # The loop's arguments (the dataset among them) go through a private file, so what spawn writes
         # into the child's pipe stays small: Process.start() writes it whole and, holding the pipe's read
         # end itself, blocks forever once it outgrows the pipe if the child died before reading it (a
@@ -284,7 +285,7 @@ class RolloutWorker:
         descriptor, path = tempfile.mkstemp(prefix="agent-harness-worker-", suffix=".pickle")
         self._payloads.append(Path(path))
         with os.fdopen(descriptor, "wb") as payload:
-            pickle.dump((self.loop_cls, self.loop_kwargs), payload)
+            payload.write(payload_bytes)
         process = self._context.Process(
             target=worker_main,
             args=(path, channels, _parent_log_level()),
