@@ -122,6 +122,7 @@ def assert_stopped_and_clean(worker: RolloutWorker, pids: list[int]) -> None:
     assert not [path for path in payloads if path.exists()]
 
 
+@pytest.mark.slow  # spawned worker processes: seconds each
 def test_two_processes_take_every_prompt_exactly_once_in_the_one_process_order(tmp_path):
     dataset = rows(300)
     worker = make_worker(tmp_path, dataset, processes=2)
@@ -140,6 +141,7 @@ def test_two_processes_take_every_prompt_exactly_once_in_the_one_process_order(t
     assert sum(counts.values()) == 300 and all(counts.values()), f"groups per process: {counts}"
 
 
+@pytest.mark.slow  # spawned worker processes: seconds each
 def test_a_resumed_run_skips_what_it_had_done_across_both_processes(tmp_path):
     worker = make_worker(
         tmp_path, rows(30), processes=2, dataset_start_index=10, dataset_skip_positions=[12, 15, 29]
@@ -174,6 +176,7 @@ def groups_until_held(tmp_path: Path, processes: int, allowance: int) -> tuple[l
     return results, len(more)
 
 
+@pytest.mark.slow  # spawned worker processes: seconds each
 def test_two_processes_keep_the_token_allowance_exactly_as_one_does(tmp_path):
     allowance = 1000
     one, one_more = groups_until_held(tmp_path, 1, allowance)
@@ -187,6 +190,7 @@ def test_two_processes_keep_the_token_allowance_exactly_as_one_does(tmp_path):
     assert one_more == two_more == 1
 
 
+@pytest.mark.slow  # spawned worker processes: seconds each
 def test_a_killed_process_is_named_and_stop_leaves_nothing(tmp_path):
     worker = make_worker(tmp_path, rows(10_000), processes=2)
     worker.start()
