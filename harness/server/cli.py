@@ -62,6 +62,11 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         help="reuse the keys of prompt prefixes seen before, as vLLM does (default: on)",
     )
     parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run every forward eagerly instead of replaying decode steps from CUDA graphs",
+    )
+    parser.add_argument(
         "--max-logprobs", type=int, default=20, help="largest top-k logprobs per token (default: 20)"
     )
     parser.add_argument("--enable-lora", action="store_true", help="accept LoRA adapters at run time")
@@ -114,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens,
             num_threads=args.num_threads,
             enable_prefix_caching=args.enable_prefix_caching,
+            enforce_eager=args.enforce_eager,
             max_logprobs=args.max_logprobs,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
+from harness.server.cuda_graphs import StepGraphs
 from harness.server.kv_cache import (
     ATTN_IMPLEMENTATION,
     ForwardBatch,
@@ -153,6 +154,9 @@ class Engine:
         kv_cache_tokens: KV budget in tokens (rows x longest sequence, and the prefix cache's store beside
             them); at least max_model_len.
         enable_prefix_caching: Reuse the keys of prompt prefixes seen before (`prefix_cache.py`).
+        enforce_eager: On a CUDA device, run every forward eagerly instead of replaying decode steps from
+            CUDA graphs (`cuda_graphs.py`) and small prefills too; as vLLM's --enforce-eager. CPU forwards
+            are always eager.
     """
 
     def __init__(
@@ -165,6 +169,7 @@ class Engine:
         max_num_batched_tokens: int = 8192,
         kv_cache_tokens: int,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
         check_model_supported(model)
         if kv_cache_tokens < max_model_len:
@@ -192,6 +197,9 @@ class Engine:
             capacity_tokens=kv_cache_tokens,
         )
         self.prefix_cache = PrefixCache(self.cache) if enable_prefix_caching else None
+        self.graphs: StepGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.graphs = StepGraphs(model, self.cache)
         self._running: list[_Request] = []  # index = cache row
         self._waiting: deque[_Request] = deque()
         self._inbox: queue.SimpleQueue[_Request] = queue.SimpleQueue()
@@ -551,9 +559,42 @@ class Engine:
         requests = [self._running[row] for row in rows]
         starts = [hit.length for _, hit in chosen]
         lengths = [len(r.tokens) - start for r, start in zip(requests, starts, strict=True)]
-        num_batch, num_tokens = len(rows), max(lengths)
         self.cache.reserve(len(self._running), max(len(r.tokens) for r in self._running))
         self._copy_prefixes(chosen)
+        lora_groups = self._lora_groups(requests)
+        logits = None
+        if self.graphs is not None and not lora_groups:
+            logits = self.graphs.prefill(rows, [r.tokens for r in requests], starts)
+        if logits is None:
+            logits = self._eager_prefill(rows, requests, starts, lengths, lora_groups)
+        device = self.device
+        entries = list(zip(rows, requests, strict=True))
+        for row, index in twins:
+            twin = self._running[row]
+            self.cache.move_row(rows[index], row, len(twin.tokens))
+            entries.append((row, twin))
+            starts.append(len(twin.tokens))
+        if twins:
+            logits = torch.cat([logits, logits[torch.tensor([index for _, index in twins], device=device)]])
+        for (_, request), start in zip(entries, starts, strict=True):
+            request.num_cached = len(request.tokens)
+            self._counters.num_prompt_tokens += len(request.tokens)
+            if self.prefix_cache is not None:
+                self._counters.num_prefix_cache_queries += len(request.tokens)
+                self._counters.num_prefix_cache_hits += start
+                self.prefix_cache.add_running(request)
+        self._sample(entries, logits)
+
+    def _eager_prefill(
+        self,
+        rows: list[int],
+        requests: list[_Request],
+        starts: list[int],
+        lengths: list[int],
+        lora_groups: list[tuple[Any, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The prefill's forward, eagerly: new tokens left-padded into one batch; logits at each last one."""
+        num_batch, num_tokens = len(rows), max(lengths)
         device = self.device
         input_ids = torch.zeros((num_batch, num_tokens), dtype=torch.long)
         for b, request in enumerate(requests):
@@ -586,25 +627,9 @@ class Engine:
             write_position_N=position_BT[write_b, write_t].to(device),
             attn_mask=mask.to(device),
             kv_length=kv_length,
-            lora_groups=self._lora_groups(requests),
+            lora_groups=lora_groups,
         )
-        logits = self._forward(batch, input_ids.to(device), position_BT.to(device))
-        entries = list(zip(rows, requests, strict=True))
-        for row, index in twins:
-            twin = self._running[row]
-            self.cache.move_row(rows[index], row, len(twin.tokens))
-            entries.append((row, twin))
-            starts.append(len(twin.tokens))
-        if twins:
-            logits = torch.cat([logits, logits[torch.tensor([index for _, index in twins], device=device)]])
-        for (_, request), start in zip(entries, starts, strict=True):
-            request.num_cached = len(request.tokens)
-            self._counters.num_prompt_tokens += len(request.tokens)
-            if self.prefix_cache is not None:
-                self._counters.num_prefix_cache_queries += len(request.tokens)
-                self._counters.num_prefix_cache_hits += start
-                self.prefix_cache.add_running(request)
-        self._sample(entries, logits)
+        return self._forward(batch, input_ids.to(device), position_BT.to(device))
 
     def _copy_prefixes(self, chosen: list[tuple[int, PrefixHit]]) -> None:
         """Copy each hit's cached positions into its request's row; then let the store shrink to fit
@@ -625,6 +650,24 @@ class Engine:
         self.cache.reserve(num_rows, kv_length)
         if self.prefix_cache is not None:
             self.prefix_cache.trim()
+        # Rows still waiting for their prefill (the step's prefill budget ran out) ride along: their keys
+        # are rewritten by that prefill, and their logits are ignored here.
+        ready = [row for row, r in enumerate(requests) if r.num_cached == len(r.tokens) - 1]
+        lora_groups = self._lora_groups(requests)
+        if self.graphs is not None and not lora_groups:
+            logits = self.graphs.decode([r.tokens[-1] for r in requests], lengths)
+        else:
+            logits = self._eager_decode(requests, lengths, lora_groups)
+        for row in ready:
+            requests[row].num_cached = len(requests[row].tokens)
+        self._sample(
+            [(row, requests[row]) for row in ready], logits[ready] if len(ready) < num_rows else logits
+        )
+
+    def _eager_decode(
+        self, requests: list[_Request], lengths: list[int], lora_groups: list[tuple[Any, torch.Tensor]]
+    ) -> torch.Tensor:
+        num_rows, kv_length = len(requests), max(lengths)
         device = self.device
         length_B = torch.tensor(lengths)
         batch = ForwardBatch(
@@ -636,18 +679,10 @@ class Engine:
             write_position_N=(length_B - 1).to(device),
             attn_mask=(torch.arange(kv_length)[None, :] < length_B[:, None])[:, None, None, :].to(device),
             kv_length=kv_length,
-            lora_groups=self._lora_groups(requests),
+            lora_groups=lora_groups,
         )
         input_ids = torch.tensor([[r.tokens[-1]] for r in requests], device=device)
-        # Rows still waiting for their prefill (the step's prefill budget ran out) ride along: their keys
-        # are rewritten by that prefill, and their logits are ignored here.
-        ready = [row for row, r in enumerate(requests) if r.num_cached == len(r.tokens) - 1]
-        logits = self._forward(batch, input_ids, (length_B - 1)[:, None].to(device))
-        for row in ready:
-            requests[row].num_cached = len(requests[row].tokens)
-        self._sample(
-            [(row, requests[row]) for row in ready], logits[ready] if len(ready) < num_rows else logits
-        )
+        return self._forward(batch, input_ids, (length_B - 1)[:, None].to(device))
 
     def _forward(
         self, batch: ForwardBatch, input_ids: torch.Tensor, position_ids: torch.Tensor

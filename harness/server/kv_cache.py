@@ -14,7 +14,8 @@ the last row into it), so a decode step attends over a plain slice of the cache,
 runs a left-padded batch of new requests with ordinary causal attention over their fresh keys, and writes
 those keys into the requests' rows; when some of them start from a prefix copied in by the prefix cache
 (`prefix_cache.py`), their queries attend over their rows (the copied positions and the fresh ones).
-Storage grows by doubling up to `max_rows x max_length`; the engine keeps `rows x longest sequence` within
+Storage grows by doubling up to `max_rows x max_length`, plus one scratch row that padding tokens of the CUDA
+graphs' fixed-shape batches write to (`cuda_graphs.py`); the engine keeps `rows x longest sequence` within
 the token budget it was given (`capacity_tokens`), preempting the newest request when a step would exceed
 it.
 
@@ -64,6 +65,8 @@ class ForwardBatch:
             and for a prefill that continues cached prefixes; 0 for a prefill of fresh requests, which
             attends over the new keys only.
         lora_groups: For LoRA adapters used in this batch: (adapter, batch entries that use it).
+        write_row_N: The cache row of each written token when it is not its batch entry's row (padding
+            tokens of a padded batch go to the cache's scratch row); None: `rows_B[write_batch_N]`.
     """
 
     mode: Literal["prefill", "decode"]
@@ -75,6 +78,7 @@ class ForwardBatch:
     attn_mask: torch.Tensor
     kv_length: int = 0
     lora_groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    write_row_N: torch.Tensor | None = None
 
 
 _current_batch: ContextVar[ForwardBatch | None] = ContextVar("harness_forward_batch", default=None)
@@ -130,6 +134,7 @@ class RowKVCache:
         self._values: list[torch.Tensor] = []
         self.allocated_rows = 0
         self.allocated_length = 0
+        self.version = 0  # bumped whenever the storage is reallocated (CUDA graphs hold its addresses)
 
     @property
     def bytes_per_token(self) -> int:
@@ -138,7 +143,8 @@ class RowKVCache:
 
     @property
     def allocated_bytes(self) -> int:
-        return self.allocated_rows * self.allocated_length * self.bytes_per_token
+        rows = self.allocated_rows + 1 if self._keys else 0  # the scratch row too
+        return rows * self.allocated_length * self.bytes_per_token
 
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for rows 0..num_rows-1 of `length` positions, keeping what those rows hold.
@@ -163,7 +169,8 @@ class RowKVCache:
                 self.max_length, max(2 * self.allocated_length, 64), self.capacity_tokens // new_rows
             )
             new_length = max(new_length, doubled)
-        shape = (new_rows, self.num_kv_heads, new_length, self.head_dim)
+        # One row more than asked: the scratch row (`scratch_row`), where padding tokens write.
+        shape = (new_rows + 1, self.num_kv_heads, new_length, self.head_dim)
         kept_rows, kept_length = min(self.allocated_rows, new_rows), min(self.allocated_length, new_length)
         for store in (self._keys, self._values):
             if store:
@@ -178,6 +185,13 @@ class RowKVCache:
                     torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
                 )
         self.allocated_rows, self.allocated_length = new_rows, new_length
+        self.version += 1
+
+    @property
+    def scratch_row(self) -> int:
+        """A row past the usable ones, never held by a request: padding tokens of a padded batch (the CUDA
+        graphs' fixed shapes) write their keys here, where nothing reads them as a request's."""
+        return self.allocated_rows
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of row `source` into row `target` (compaction)."""
@@ -204,10 +218,11 @@ class RowKVCache:
         """Free the storage (the next `reserve` allocates afresh)."""
         self._keys, self._values = [], []
         self.allocated_rows = self.allocated_length = 0
+        self.version += 1
 
     def write(self, layer: int, batch: ForwardBatch, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the real new tokens' keys and values ([B, kv_heads, T, head_dim]) at their positions."""
-        rows_N = batch.rows_B[batch.write_batch_N]
+        rows_N = batch.rows_B[batch.write_batch_N] if batch.write_row_N is None else batch.write_row_N
         self._keys[layer][rows_N, :, batch.write_position_N] = keys[
             batch.write_batch_N, :, batch.write_token_N
         ]

@@ -117,7 +117,7 @@ def process_logits(
     logits_BV: torch.Tensor, params_B: list[SamplingParams], seen_tokens_B: list[list[int]]
 ) -> torch.Tensor:
     """The processed log-probs [B, V] (float32) of each row's sampling distribution; see the module doc."""
-    logits_BV = logits_BV.float().clone()
+    logits_BV = logits_BV.to(torch.float32, copy=True)
     vocab_size = logits_BV.shape[-1]
     device = logits_BV.device
     for row, params in enumerate(params_B):
@@ -172,14 +172,19 @@ def sample_next_tokens(
     """Process each row's logits, draw its next token and collect the log-probs it asked for."""
     logprobs_BV = process_logits(logits_BV, params_B, seen_tokens_B)
     device = logprobs_BV.device
-    greedy = torch.tensor([p.greedy for p in params_B], device=device)
-    uniforms = torch.tensor(
-        [0.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)], device=device
+    # One host-to-device copy in (each row's uniform draw, -1 for greedy rows) and one device-to-host copy
+    # out (tokens, their log-probs and the top-k, packed as float64, exact for token ids): on a GPU every
+    # copy is a synchronisation, and a step's sampling should cost one.
+    draws = torch.tensor(
+        [-1.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)],
+        dtype=torch.float32,
+        device=device,
     )
+    greedy = draws < 0
     probs_BV = logprobs_BV.exp()
     cdf_BV = torch.cumsum(probs_BV, dim=-1)
     # Scale the draw by the row's total mass, so rounding in the cumulative sum cannot push it past the end.
-    targets = uniforms * cdf_BV[:, -1]
+    targets = draws.clamp(min=0) * cdf_BV[:, -1]
     drawn = torch.searchsorted(cdf_BV, targets[:, None], right=True).clamp_(max=probs_BV.shape[-1] - 1)
     drawn = drawn.squeeze(-1)
     argmax = logprobs_BV.argmax(dim=-1)
@@ -187,21 +192,24 @@ def sample_next_tokens(
     drawn_ok = probs_BV.gather(-1, drawn[:, None]).squeeze(-1) > 0
     tokens = torch.where(greedy | ~drawn_ok, argmax, drawn)
     token_logprobs = logprobs_BV.gather(-1, tokens[:, None]).squeeze(-1)
-    num_top = max((p.num_logprobs or 0) for p in params_B)
-    top_B: list[list[tuple[int, float]]] = [[] for _ in params_B]
+    columns = [tokens.double()[:, None], token_logprobs.double()[:, None]]
+    num_top = min(max((p.num_logprobs or 0) for p in params_B), logprobs_BV.shape[-1])
     if num_top > 0:
-        top_values, top_ids = logprobs_BV.topk(min(num_top, logprobs_BV.shape[-1]), dim=-1)
-        values_list, ids_list = top_values.tolist(), top_ids.tolist()
-        for row, params in enumerate(params_B):
-            count = params.num_logprobs or 0
-            top_B[row] = list(zip(ids_list[row][:count], values_list[row][:count], strict=True))
+        top_values, top_ids = logprobs_BV.topk(num_top, dim=-1)
+        columns += [top_ids.double(), top_values.double()]
+    packed = torch.cat(columns, dim=1).tolist()
+    top_B: list[list[tuple[int, float]]] = []
+    for row, params in enumerate(params_B):
+        count = params.num_logprobs or 0
+        ids, values = packed[row][2 : 2 + count], packed[row][2 + num_top : 2 + num_top + count]
+        top_B.append([(int(i), v) for i, v in zip(ids, values, strict=True)])
     candidates_B: list[list[int] | None] = [None] * len(params_B)
     for row, params in enumerate(params_B):
         if params.return_sampling_mask and params.truncates:
             candidates_B[row] = torch.isfinite(logprobs_BV[row]).nonzero().squeeze(-1).tolist()
     return SampledTokens(
-        token_ids_B=tokens.tolist(),
-        logprobs_B=token_logprobs.tolist(),
+        token_ids_B=[int(row[0]) for row in packed],
+        logprobs_B=[row[1] for row in packed],
         top_B=top_B,
         candidates_B=candidates_B,
     )

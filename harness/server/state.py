@@ -55,6 +55,8 @@ class ServerConfig:
     """torch's CPU threads (torch.set_num_threads); default: torch's own choice."""
     enable_prefix_caching: bool = True
     """Reuse the keys of prompt prefixes seen before (a group's shared prompt, earlier turns), as vLLM."""
+    enforce_eager: bool = False
+    """On a GPU, run every forward eagerly instead of replaying decode steps from CUDA graphs, as vLLM."""
     max_logprobs: int = 20
     """Largest `logprobs` (top-k per token) a request may ask for."""
     enable_lora: bool = False
@@ -144,6 +146,7 @@ class ServerState:
             max_num_batched_tokens=config.max_num_batched_tokens,
             kv_cache_tokens=kv_cache_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
+            enforce_eager=config.enforce_eager,
         )
         engine.start()
         logger.info(

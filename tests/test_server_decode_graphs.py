@@ -1,0 +1,228 @@
+"""The engine's decode steps and small prefills replayed from CUDA graphs (`harness/server/cuda_graphs.py`).
+
+On CPU the graphs' padded forwards run eagerly (`capture=False`): the same padding rows and tokens, shape
+buckets, in-graph masks and writes the graphs record, checked against the engine's eager forwards and a
+direct forward, with prefixes from the prefix cache and a group sharing one prefill.
+The gpu tests capture real graphs and check them against eager decoding, across a weight update, cache
+growth, and a model whose forward cannot be captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+from engine_requests import run_requests
+
+from harness.server.cuda_graphs import StepGraphs, bucket
+from harness.server.engine import Engine, GenerationOutput
+from harness.server.sampling import SamplingParams
+from harness.testing import build_tiny_qwen3
+
+MAX_MODEL_LEN = 192
+PROMPTS = [[5, 6, 7], list(range(20, 61)), list(range(100, 170))]  # 3, 41 and 70 tokens
+
+
+def make_engine(model: torch.nn.Module, *, graphs: str, **kwargs) -> Engine:
+    """graphs: "none" (eager decode), "padded" (the graphs' step run eagerly) or "cuda" (captured)."""
+    options = {
+        "max_model_len": MAX_MODEL_LEN,
+        "eos_token_ids": [],
+        "max_num_seqs": 8,
+        "kv_cache_tokens": 8 * 192,
+    }
+    options.update(kwargs)
+    engine = Engine(model, enforce_eager=graphs != "cuda", **options)
+    if graphs == "padded":
+        engine.graphs = StepGraphs(model, engine.cache, capture=False)
+    assert (engine.graphs is not None) == (graphs != "none")
+    return engine
+
+
+def generate(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[GenerationOutput]:
+    engine.start()
+    try:
+        return run_requests(engine, prompts, params)
+    finally:
+        engine.close()
+
+
+def assert_greedy_matches(model: torch.nn.Module, output: GenerationOutput, atol: float) -> None:
+    device = next(model.parameters()).device
+    tokens = torch.tensor([output.prompt_ids + output.output_ids], device=device)
+    with torch.no_grad():
+        logprobs = model(tokens).logits[0].float().log_softmax(-1)
+    start = len(output.prompt_ids) - 1
+    assert output.output_ids == logprobs[start:-1].argmax(-1).tolist()
+    expected = [logprobs[start + j, t].item() for j, t in enumerate(output.output_ids)]
+    assert output.logprobs == pytest.approx(expected, abs=atol)
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Greedy with top-3 log-probs, seeded sampling, seeded top-k sampling: one per prompt."""
+    return [
+        SamplingParams(max_tokens=100, temperature=0.0, num_logprobs=3),
+        SamplingParams(max_tokens=90, temperature=1.0, seed=11, num_logprobs=0),
+        SamplingParams(max_tokens=80, temperature=0.8, top_k=20, seed=12, num_logprobs=2),
+    ]
+
+
+def assert_same_outputs(left: list[GenerationOutput], right: list[GenerationOutput], atol: float) -> None:
+    for a, b in zip(left, right, strict=True):
+        assert a.output_ids == b.output_ids
+        assert a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=atol)
+        for top_a, top_b in zip(a.top_logprobs or [], b.top_logprobs or [], strict=True):
+            assert [token for token, _ in top_a] == [token for token, _ in top_b]
+
+
+def test_bucket_pads_to_a_power_of_two_within_the_limit():
+    assert [bucket(n, 64) for n in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert bucket(40, 48) == 48  # capped by what the cache holds
+    assert bucket(3, 512, minimum=64) == 64
+    assert bucket(65, 512, minimum=64) == 128
+
+
+def test_the_padded_step_decodes_exactly_as_the_eager_one():
+    # Three rows pad to four; the rows grow past 64 and 128 key positions, so the key bucket changes and the
+    # cache reallocates mid-run (its version moves and the step is rebuilt).
+    eager = generate(make_engine(build_tiny_qwen3(), graphs="none"), PROMPTS, mixed_params())
+    engine = make_engine(build_tiny_qwen3(), graphs="padded")
+    versions_before = engine.cache.version
+    padded = generate(engine, PROMPTS, mixed_params())
+    assert engine.cache.version > versions_before + 1
+    assert_same_outputs(eager, padded, atol=1e-5)
+    assert engine.graphs.num_forwards["prefill"] >= 1 and engine.graphs.num_forwards["decode"] >= 99
+    assert max(len(o.prompt_ids) + len(o.output_ids) for o in padded) > 128
+    assert_greedy_matches(build_tiny_qwen3(), padded[0], atol=1e-4)
+
+
+def test_padding_rows_leave_rows_joining_later_intact():
+    # One request runs alone (a bucket of 1), then two join while it runs (three rows, padded to four: the
+    # padding row is the next free one), then one more takes that row. Every greedy output must still equal
+    # a direct forward, so no padding write may land in a row that a request holds or will hold.
+    model = build_tiny_qwen3()
+    engine = make_engine(model, graphs="padded", max_num_seqs=4)
+    params = SamplingParams(max_tokens=60, temperature=0.0, num_logprobs=0)
+    outputs: dict[str, GenerationOutput] = {}
+    done = threading.Event()
+
+    def on_done(result: GenerationOutput | BaseException) -> None:
+        assert isinstance(result, GenerationOutput), result
+        outputs[result.request_id] = result
+        if len(outputs) == 4:
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit([9, 8, 7, 6], params, on_done, request_id="first")
+        while engine.stats().num_generation_tokens < 5:
+            time.sleep(0.005)
+        engine.submit(list(range(30, 50)), params, on_done, request_id="second")
+        engine.submit([4, 4, 4], params, on_done, request_id="third")
+        while engine.stats().num_generation_tokens < 40:
+            time.sleep(0.005)
+        engine.submit(list(range(60, 75)), params, on_done, request_id="fourth")
+        assert done.wait(60)
+    finally:
+        engine.close()
+    reference = build_tiny_qwen3()
+    for output in outputs.values():
+        assert len(output.output_ids) == 60
+        assert_greedy_matches(reference, output, atol=1e-4)
+
+
+def test_padded_prefills_continue_cached_prefixes_and_share_a_group_prefill():
+    # A first request finishes (its keys go to the prefix store); then a second turn that extends it (its
+    # prefill starts after the stored prefix), a group of four identical prompts (one prefill, its keys
+    # copied to the twins) and an unrelated prompt arrive together: one padded prefill of three requests.
+    model = build_tiny_qwen3()
+    engine = make_engine(model, graphs="padded")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, num_logprobs=0)
+    engine.start()
+    try:
+        (first,) = run_requests(engine, [list(range(40, 75))], greedy)
+        second_turn = first.prompt_ids + first.output_ids + [7, 8, 9]
+        group = list(range(200, 230))
+        outputs = run_requests(engine, [second_turn, group, group, group, group, [3, 1, 4]], greedy)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert stats.num_prefix_cache_hits >= len(first.prompt_ids) + len(first.output_ids) - 1
+    assert engine.graphs.num_forwards["prefill"] >= 2
+    reference = build_tiny_qwen3()
+    for output in [first, *outputs]:
+        assert_greedy_matches(reference, output, atol=1e-4)
+    assert len({tuple(o.output_ids) for o in outputs[1:5]}) == 1
+
+
+def test_the_padded_step_under_a_tight_budget_preempts_and_recomputes_correctly():
+    engine = make_engine(
+        build_tiny_qwen3(), graphs="padded", max_model_len=64, max_num_seqs=4, kv_cache_tokens=128
+    )
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    outputs = generate(engine, prompts, [SamplingParams(max_tokens=56, temperature=0.0, num_logprobs=0)] * 4)
+    assert engine.stats().num_preemptions > 0
+    reference = build_tiny_qwen3()
+    for output in outputs:
+        assert_greedy_matches(reference, output, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_decode_as_the_eager_engine_does():
+    eager = generate(make_engine(build_tiny_qwen3().cuda(), graphs="none"), PROMPTS, mixed_params())
+    engine = make_engine(build_tiny_qwen3().cuda(), graphs="cuda")
+    graphed = generate(engine, PROMPTS, mixed_params())
+    assert engine.graphs is not None and engine.graphs.enabled
+    assert engine.graphs.num_captures >= 3  # several key-position buckets, and recaptures after growth
+    assert_same_outputs(eager, graphed, atol=1e-4)
+    assert_greedy_matches(build_tiny_qwen3().cuda(), graphed[0], atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_read_weights_updated_after_their_capture():
+    model = build_tiny_qwen3().cuda()
+    engine = make_engine(model, graphs="cuda")
+    engine.start()
+    try:
+        greedy = SamplingParams(max_tokens=30, temperature=0.0, num_logprobs=0)
+        before = run_requests(engine, PROMPTS, [greedy] * 3)
+        captured = engine.graphs.num_captures
+        assert captured > 0
+        new_weights = build_tiny_qwen3(seed=5).cuda().state_dict()
+
+        def swap() -> None:
+            model.load_state_dict(new_weights)  # copies into the parameters, as a weight update does
+            engine.invalidate_cache()
+
+        engine.call(swap).result(10)
+        after = run_requests(engine, PROMPTS, [greedy] * 3)
+    finally:
+        engine.close()
+    new_model = build_tiny_qwen3(seed=5).cuda()
+    for output in after:
+        assert_greedy_matches(new_model, output, atol=1e-3)
+    assert [o.output_ids for o in before] != [o.output_ids for o in after]
+
+
+@pytest.mark.gpu
+def test_a_forward_that_cannot_be_captured_falls_back_to_eager_decoding(caplog):
+    model = build_tiny_qwen3().cuda()
+
+    def synchronising_hook(module, args, output):
+        output.sum().item()  # a host sync: forbidden while a CUDA graph is being captured
+
+    model.model.layers[0].mlp.register_forward_hook(synchronising_hook)
+    engine = make_engine(model, graphs="cuda")
+    with caplog.at_level(logging.WARNING, logger="harness.server.cuda_graphs"):
+        (output,) = generate(
+            engine, PROMPTS[:1], [SamplingParams(max_tokens=20, temperature=0.0, num_logprobs=0)]
+        )
+    assert engine.graphs is not None and not engine.graphs.enabled
+    assert "CUDA graph capture of the server's forward failed" in caplog.text
+    assert_greedy_matches(build_tiny_qwen3().cuda(), output, atol=1e-3)
