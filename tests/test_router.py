@@ -1,7 +1,8 @@
 """GenerationRouter at unit level: the URL list, placement by load, a group on one server, failover, control
-calls to every server, and the weight-sync plan over several servers. The servers are the shared
-generation double (harness.testing.FakeGenerationServer), with a load and a way to die added here; the
-same behaviour against real built-in servers is in tests/test_router_servers.py."""
+calls to every server, a drop shared by the routers of a run, and the weight-sync plan over several
+servers. The servers are the shared generation double (harness.testing.FakeGenerationServer), with a load
+and a way to die added here; the same behaviour against real built-in servers, and across processes, is in
+tests/test_router_servers.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from harness.generation.protocol import (
 )
 from harness.generation.router import GenerationRouter, placement_score, server_urls
 from harness.generation.server_load import ServerLoad
+from harness.generation.server_states import ServerStates
 from harness.testing import FakeGenerationServer
 from harness.weight_sync.plan import plan_weight_sync_for_servers
 
@@ -60,8 +62,19 @@ class Server(FakeGenerationServer):
         return self.load
 
 
-def router_of(*servers: Server) -> GenerationRouter:
-    return GenerationRouter(list(servers), urls=[f"http://{s.name}:8000" for s in servers], model="model-a")
+def urls_of(*servers: Server) -> list[str]:
+    return [f"http://{s.name}:8000" for s in servers]
+
+
+def router_of(*servers: Server, states: ServerStates | None = None) -> GenerationRouter:
+    return GenerationRouter(list(servers), urls=urls_of(*servers), model="model-a", states=states)
+
+
+def worker_and_trainer(*servers: Server) -> tuple[GenerationRouter, GenerationRouter]:
+    """Two routers over the same servers holding one record of which are live, as a rollout worker's and
+    the trainer's do (in one process here: tests/test_router_servers.py shares one across processes)."""
+    states = ServerStates(urls_of(*servers))
+    return router_of(*servers, states=states), router_of(*servers, states=states)
 
 
 # --- the URL list ---------------------------------------------------------------------------------------
@@ -207,6 +220,49 @@ async def test_with_every_server_gone_the_error_names_each_one():
     assert "resume the run from its last checkpoint" in message
     with pytest.raises(AllServersUnavailableError):
         await router.pause()
+
+
+# --- one record of live servers ----------------------------------------------------------------------------
+
+
+def test_server_states_change_only_as_their_caller_saw_them_and_report_each_change_once():
+    states = ServerStates(["http://a:8000", "http://b:8000"])
+    assert states.transitions() == [0, 0] and states.is_live(0)
+    assert states.drop(0, seen=0) and not states.is_live(0)
+    assert not states.drop(0, seen=0)  # a second router that saw it live: one drop, not two
+    assert not states.readmit(1, seen=0)  # b is live: nothing to take back
+    assert states.readmit(0, seen=1) and states.transitions() == [2, 0]
+    assert not states.drop(0, seen=0)  # a call sent before it came back does not drop it again
+    assert states.pop_counts() == (1, 1)
+    assert states.pop_counts() == (0, 0)  # whoever asks next: reported already
+    assert states.drop(0, seen=2) and states.pop_counts() == (1, 0)
+
+
+def test_a_router_refuses_states_kept_for_other_servers():
+    with pytest.raises(ValueError, match="build the states and every router from the same URL list"):
+        router_of(Server("a"), Server("b"), states=ServerStates(["http://a:8000"]))
+
+
+async def test_a_drop_by_one_router_stops_routing_in_another_holding_the_same_states():
+    a, b = Server("a"), Server("b")
+    worker, trainer = worker_and_trainer(a, b)
+    a.dead = True
+    await trainer.pause()  # the trainer's router finds a gone at a control call
+    await trainer.resume()
+    assert [server.live for server in worker.servers] == [False, True]
+    for _ in range(4):
+        await worker.generate([1], SAMPLING)
+    assert (a.generate_calls, b.generate_calls) == (0, 4) and worker.num_failovers == 0
+    metrics = worker.pop_metrics()
+    assert metrics["rollout/vllm_servers_live"] == 1 and metrics["rollout/vllm_server_dropped_count"] == 1
+    assert trainer.pop_metrics()["rollout/vllm_server_dropped_count"] == 0  # the run's drop, reported once
+    b.dead = True
+    with pytest.raises(AllServersUnavailableError) as raised:
+        await worker.generate([1], SAMPLING)
+    assert "http://a:8000: dropped elsewhere in the run (by the trainer or a rollout worker)" in str(
+        raised.value
+    )
+    assert "http://b:8000: b: connection refused" in str(raised.value)
 
 
 # --- control calls ---------------------------------------------------------------------------------------

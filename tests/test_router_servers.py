@@ -3,18 +3,20 @@
 What several servers promise a run: requests spread by load and a group stays on one server (checked
 against each server's own request counter, vllm:request_success_total), pause, resume and a weight
 update reach both (their served log-probs become the new model's), a server killed mid-run has its
-in-flight turns finished on the other with nothing lost and the drop counted, and with both killed the
-run stops with an error naming them. The router records where it placed each request
+in-flight turns finished on the other with nothing lost and the drop counted, with both killed the run
+stops with an error naming them, and a drop recorded by the trainer's router stops routing in a spawned
+process holding the same server states. The router records where it placed each request
 (`RecordingRouter`); everything else is the real loop, client and servers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -28,6 +30,7 @@ from harness.generation.client_thread import ClientThread
 from harness.generation.protocol import AllServersUnavailableError, SamplingConfig
 from harness.generation.router import GenerationRouter
 from harness.generation.server_load import parse_prometheus
+from harness.generation.server_states import ServerStates
 from harness.server.launch import BuiltinServer, start_builtin_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -91,13 +94,19 @@ class RecordingRouter(GenerationRouter):
         return sum(placed == url for _, placed in self.placements)
 
 
-def router_over(servers, **client_kwargs: Any) -> RecordingRouter:
+def router_at(
+    urls: Sequence[str], states: ServerStates | None = None, **client_kwargs: Any
+) -> RecordingRouter:
     """Fast retries, so a killed server is given up on in a fraction of a second."""
     settings = dict(
         timeout_s=30, max_concurrency=8, max_retries=2, retry_backoff_s=0.02, retry_backoff_max_s=0.05
     )
     settings.update(client_kwargs)
-    return RecordingRouter([GenerationClient(server.base_url, **settings) for server in servers])
+    return RecordingRouter([GenerationClient(url, **settings) for url in urls], states=states)
+
+
+def router_over(servers, states: ServerStates | None = None, **client_kwargs: Any) -> RecordingRouter:
+    return router_at([server.base_url for server in servers], states, **client_kwargs)
 
 
 def served(url: str) -> int:
@@ -280,3 +289,55 @@ async def test_with_both_servers_killed_the_run_stops_naming_them(two_servers, t
     assert "every generation server stopped answering" in message
     assert all(server.base_url in message for server in two_servers)
     assert not any(server.live for server in router.servers)
+
+
+def route_in_child(urls: list[str], states: ServerStates, commands: Any, answers: Any) -> None:
+    """A spawned process's router over the servers, holding `states` (as a rollout worker's does): per
+    "route" command four turns, answered with each server's live flag, the turns placed on each so far and
+    its metrics."""
+
+    async def main() -> None:
+        sampling = SamplingConfig(max_tokens=2, temperature=1.0, num_logprobs=0)
+        async with router_at(urls, states) as router:
+            while await anyio.to_thread.run_sync(commands.get) == "route":
+                for _ in range(4):
+                    await router.generate(PROMPT, sampling)
+                live = [server.live for server in router.servers]
+                answers.put((live, [router.placed_on(url) for url in urls], router.pop_metrics()))
+
+    anyio.run(main)
+
+
+def test_a_drop_by_the_trainers_router_stops_routing_in_a_spawned_process(two_servers):
+    victim = two_servers[1]
+    urls = [server.base_url for server in two_servers]
+    states = ServerStates.shared(urls)
+    context = multiprocessing.get_context("spawn")
+    commands, answers = context.Queue(), context.Queue()
+    child = context.Process(target=route_in_child, args=(urls, states, commands, answers), daemon=True)
+    child.start()
+    try:
+        commands.put("route")
+        live, placed, _ = answers.get(timeout=120)
+        assert live == [True, True] and placed == [2, 2]  # idle servers take turns in turn
+        with ClientThread(urls, 60, server_states=states) as thread:  # the trainer's
+            victim.process.send_signal(signal.SIGKILL)
+            victim.process.wait()
+            thread.call("pause", "keep")  # its router finds the victim gone
+            thread.call("resume")
+        commands.put("route")
+        live, placed, child_metrics = answers.get(timeout=60)
+        # the child never sent the victim a turn again: it knew before it tried
+        assert live == [True, False] and placed == [6, 2]
+        assert child_metrics["rollout/vllm_failover_count"] == 0
+        assert child_metrics["rollout/vllm_server_dropped_count"] == 1
+        assert child_metrics["rollout/vllm_servers_live"] == 1
+        commands.put("stop")
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        commands.close()
+        answers.close()

@@ -3,7 +3,8 @@
 The trainer is synchronous; the client is a set of coroutines. `ClientThread` owns an anyio event loop
 on a private thread, builds the client there (a `GenerationRouter` over the configured servers, one or
 several: each call reaches every server) and runs its coroutines to completion from the calling
-thread. Rank 0 of the trainer opens one per run (`harness/training/trainer.py`); the weight-sync strategies
+thread. Rank 0 of the trainer opens one per run (`harness/training/trainer.py`), its router sharing the
+run's `ServerStates` with the rollout workers'; the weight-sync strategies
 (`harness/weight_sync/strategies.py`) drive every server call of a sync through it.
 
     with ClientThread("http://localhost:8000", timeout_s=1800) as server:   # waits until ready
@@ -24,14 +25,18 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from harness.generation.protocol import ServerControl
+    from harness.generation.server_states import ServerStates
 
 
 class ClientThread:
     """A GenerationClient on a private event-loop thread, for the synchronous trainer.
 
     `base_url`: the server's URL, or several (a list, or separated by commas): see
-    `harness.generation.router.server_urls`. `client`: any `ServerControl` to drive instead of a router over
-    `base_url` (tests pass `harness.testing.FakeGenerationServer`); it is used as it is and not closed here.
+    `harness.generation.router.server_urls`. `server_states`: the run's record of live servers, shared with
+    the rollout workers' routers (`ServerStates.shared`); default: the router's own. `client`: any
+    `ServerControl` to drive instead of a router over `base_url` (tests pass
+    `harness.testing.FakeGenerationServer`, or a `GenerationRouter` over such doubles); it is used as it is
+    and not closed here.
     """
 
     def __init__(
@@ -39,10 +44,12 @@ class ClientThread:
         base_url: str | Sequence[str] = "",
         timeout_s: float = 1800.0,
         *,
+        server_states: ServerStates | None = None,
         client: ServerControl | None = None,
     ):
         self.base_url = base_url
         self.timeout_s = timeout_s
+        self.server_states = server_states
         self.client: Any = client
         self._owns_client = client is None
 
@@ -55,7 +62,9 @@ class ClientThread:
         self.portal = self._portal_cm.__enter__()
         if self._owns_client:
             self.client = self.portal.call(
-                lambda: GenerationRouter.from_urls(self.base_url, timeout_s=self.timeout_s, max_concurrency=4)
+                lambda: GenerationRouter.from_urls(
+                    self.base_url, states=self.server_states, timeout_s=self.timeout_s, max_concurrency=4
+                )
             )
         self.portal.call(self.client.wait_until_ready)
         return self

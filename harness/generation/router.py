@@ -22,10 +22,14 @@ Failover: a server is dropped from routing when it stops answering: a call faile
 `ServerUnavailableError` (the client's retries spent) and one look at its /health fails too. A generation
 request on a dropped server is sent again to another live server (its group follows it there); a server
 that still answers /health keeps its place and the request's error goes to the caller (for the rollout
-loop, a failed rollout). Drops and failovers are counted in `pop_metrics()` (`rollout/vllm_servers_live`,
-`rollout/vllm_server_dropped_count`, `rollout/vllm_failover_count`); a dropped server is not taken back.
-With no server left every call raises `AllServersUnavailableError`, naming each server and its failure:
-the rollout loop lets it stop the run.
+loop, a failed rollout). Which servers are live is one record for the run (`ServerStates`, server_states.py,
+in shared memory) that the trainer's router and every rollout worker's hold: a drop by any of them stops
+routing in all. With no server left every call raises `AllServersUnavailableError`, naming each server and
+its failure: the rollout loop lets it stop the run.
+
+Metrics (`pop_metrics()`): `rollout/vllm_servers_live`, `rollout/vllm_server_dropped_count` and
+`rollout/vllm_failover_count`. Drops are the run's, each reported once, by whichever router pops them first
+(the workers': the trainer's never pops); failovers are this router's. A dropped server is not taken back.
 
 Control calls (pause, resume, the weight-update steps, adapters) go to every live server at once; an
 error of one is raised, naming the server (a half-applied sync must surface), except that a server which
@@ -54,6 +58,7 @@ from harness.generation.protocol import (
     ServerUnavailableError,
 )
 from harness.generation.server_load import ServerLoad
+from harness.generation.server_states import ServerStates, is_live
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -118,12 +123,19 @@ class _Server:
 
     url: str
     client: Any  # a GenerationClient, or any SamplingServer and ServerControl
-    live: bool = True
-    failure: str = ""
+    index: int  # its slot in the ServerStates
+    states: ServerStates
+    seen: int = 0  # its transitions (server_states.py) when this router last looked
+    failure: str = ""  # why this router dropped it
     load: ServerLoad | None = None
     in_flight: int = 0
     in_flight_at_poll: int = 0
     num_requests: int = 0  # generation requests placed here (for logs and tests)
+
+    @property
+    def live(self) -> bool:
+        """Whether it is routed to now, by any router sharing the states."""
+        return self.states.is_live(self.index)
 
 
 class GenerationRouter:
@@ -135,6 +147,8 @@ class GenerationRouter:
         model: The model name requests send when they name none; a name any server serves as its base
             model means each server's own base model (servers may serve one checkpoint under different ids).
         owns_clients: Whether `aclose()` closes the clients.
+        states: The run's record of which servers are live, shared with its other routers
+            (`ServerStates.shared`, over the same URLs); default: one of this router's own.
     """
 
     def __init__(
@@ -144,31 +158,48 @@ class GenerationRouter:
         urls: Sequence[str] | None = None,
         model: str | None = None,
         owns_clients: bool = True,
+        states: ServerStates | None = None,
     ) -> None:
         if not clients:
             raise ValueError("a GenerationRouter needs at least one server")
         names = list(urls) if urls is not None else [str(client.root_url) for client in clients]
         if len(names) != len(clients):
             raise ValueError(f"{len(clients)} clients but {len(names)} URLs")
-        self.servers = [_Server(url, client) for url, client in zip(names, clients, strict=True)]
+        self.states = states if states is not None else ServerStates(names)
+        if self.states.urls != tuple(names):
+            raise ValueError(
+                f"the shared server states are of {', '.join(self.states.urls)} and this router's servers "
+                f"are {', '.join(names)}: build the states and every router from the same URL list"
+            )
+        self.servers = [
+            _Server(url, client, index, self.states, seen=seen)
+            for index, (url, client, seen) in enumerate(
+                zip(names, clients, self.states.transitions(), strict=True)
+            )
+        ]
         self.model = model
         self.owns_clients = owns_clients
         self._routes: collections.OrderedDict[Hashable, _Server] = collections.OrderedDict()
         self._served_ids: set[str] = set()
-        self._num_dropped_reported = 0
         self.num_failovers = 0
         self._num_failovers_reported = 0
 
     @classmethod
     def from_urls(
-        cls, base_url: str | Sequence[str], *, model: str | None = None, **client_kwargs: Any
+        cls,
+        base_url: str | Sequence[str],
+        *,
+        model: str | None = None,
+        states: ServerStates | None = None,
+        **client_kwargs: Any,
     ) -> GenerationRouter:
         """A router over a `GenerationClient(url, **client_kwargs)` per server of `base_url` (a URL, several
-        separated by commas, or a list: `server_urls`)."""
+        separated by commas, or a list: `server_urls`), sharing `states` when given."""
         from harness.generation.client import GenerationClient
 
         urls = server_urls(base_url)
-        return cls([GenerationClient(url, **client_kwargs) for url in urls], urls=urls, model=model)
+        clients = [GenerationClient(url, **client_kwargs) for url in urls]
+        return cls(clients, urls=urls, model=model, states=states)
 
     async def __aenter__(self) -> GenerationRouter:
         return self
@@ -189,10 +220,17 @@ class GenerationRouter:
         return [server.url for server in self.servers]
 
     def live_servers(self) -> list[_Server]:
-        return [server for server in self.servers if server.live]
+        """The servers routed to now (by the shared states)."""
+        live = []
+        for server, transitions in zip(self.servers, self.states.transitions(), strict=True):
+            server.seen = transitions
+            if is_live(transitions):
+                live.append(server)
+        return live
 
     def _none_left(self) -> AllServersUnavailableError:
-        failures = "; ".join(f"{server.url}: {server.failure}" for server in self.servers)
+        elsewhere = "dropped elsewhere in the run (by the trainer or a rollout worker)"
+        failures = "; ".join(f"{server.url}: {server.failure or elsewhere}" for server in self.servers)
         return AllServersUnavailableError(
             f"every generation server stopped answering, so the run cannot go on ({failures}); restart "
             "them (or fix the URLs in vllm_server_base_url) and resume the run from its last checkpoint"
@@ -204,28 +242,26 @@ class GenerationRouter:
             raise self._none_left()
         return live
 
-    async def _drop_if_gone(self, server: _Server, error: Exception) -> bool:
-        """Drop `server` from routing when it does not answer /health either; whether it is gone (dropped
-        now or before). Raises AllServersUnavailableError when it was the last one."""
-        if server.live:
+    async def _drop_if_gone(self, server: _Server, error: Exception, seen: int) -> bool:
+        """Drop `server` from routing, for every router sharing the states, when it does not answer /health
+        either; whether it is gone: dropped now, or by anyone since `seen` (its transitions when the failed
+        call went out). Raises AllServersUnavailableError when none is left."""
+        if self.states.transitions()[server.index] == seen:
             try:
                 await server.client.wait_until_ready(timeout_s=0)
             except ServerUnavailableError:
                 pass
             else:
                 return False
-            if not server.live:  # another request dropped it meanwhile
-                return True
-            server.live = False
-            server.failure = str(error)
-            left = len(self.live_servers())
-            log.error(
-                "generation server %s stopped answering and is dropped from routing (%d of %d left): %s",
-                server.url,
-                left,
-                len(self.servers),
-                error,
-            )
+            if self.states.drop(server.index, seen):
+                server.failure = str(error)
+                log.error(
+                    "generation server %s stopped answering and is dropped from routing (%d of %d left): %s",
+                    server.url,
+                    len(self.live_servers()),
+                    len(self.servers),
+                    error,
+                )
         if not self.live_servers():
             raise self._none_left() from error
         return True
@@ -252,13 +288,16 @@ class GenerationRouter:
         fails and no longer answers /health is dropped; any other failure is raised, with a note naming
         the server."""
         servers = self._live_or_raise()
+        seen = {server: server.seen for server in servers}
         results = await self._each(servers, call)
         done: list[tuple[_Server, T]] = []
         for server, result in zip(servers, results, strict=True):
             if not isinstance(result, Exception):
                 done.append((server, result))
                 continue
-            if isinstance(result, ServerUnavailableError) and await self._drop_if_gone(server, result):
+            if isinstance(result, ServerUnavailableError) and await self._drop_if_gone(
+                server, result, seen[server]
+            ):
                 continue
             result.add_note(f"{what} on generation server {server.url}")
             raise result
@@ -298,7 +337,7 @@ class GenerationRouter:
         live = self._live_or_raise()
         if route_key is not None:
             server = self._routes.get(route_key)
-            if server is not None and server.live:
+            if server is not None and server in live:
                 self._routes.move_to_end(route_key)
                 return server
         # ties (idle servers) go to the one that was sent the fewest requests, so one-at-a-time traffic
@@ -327,12 +366,15 @@ class GenerationRouter:
         backend_model = await self._backend_model(model)
         while True:
             server = self._place(route_key)
+            seen = server.seen  # as _place just read it
             server.in_flight += 1
             server.num_requests += 1
             try:
                 return await server.client.generate(prompt_ids, sampling, model=backend_model, seed=seed)
             except ServerUnavailableError as exc:
-                if isinstance(exc, AllServersUnavailableError) or not await self._drop_if_gone(server, exc):
+                if isinstance(exc, AllServersUnavailableError) or not await self._drop_if_gone(
+                    server, exc, seen
+                ):
                     raise
                 self.num_failovers += 1
                 log.warning("a turn on %s is sent to another generation server", server.url)
@@ -375,17 +417,18 @@ class GenerationRouter:
 
     def pop_metrics(self) -> dict[str, float]:
         """The servers' counters since the previous call, summed (rollout/vllm_retry_count, ...), and the
-        router's: rollout/vllm_servers_live (servers routed to), rollout/vllm_server_dropped_count (servers
-        dropped since) and rollout/vllm_failover_count (turns sent again to another server)."""
+        router's: rollout/vllm_servers_live (servers routed to), rollout/vllm_server_dropped_count (the run's
+        drops not yet reported by any router sharing the states) and rollout/vllm_failover_count (this
+        router's turns sent again to another server)."""
         metrics: dict[str, float] = {}
         for server in self.servers:
             for name, value in server.client.pop_metrics().items():
                 metrics[name] = metrics.get(name, 0.0) + value
-        dropped = len(self.servers) - len(self.live_servers())
-        metrics["rollout/vllm_servers_live"] = float(len(self.servers) - dropped)
-        metrics["rollout/vllm_server_dropped_count"] = float(dropped - self._num_dropped_reported)
+        dropped, _ = self.states.pop_counts()  # nothing is readmitted yet
+        metrics["rollout/vllm_servers_live"] = float(len(self.live_servers()))
+        metrics["rollout/vllm_server_dropped_count"] = float(dropped)
         metrics["rollout/vllm_failover_count"] = float(self.num_failovers - self._num_failovers_reported)
-        self._num_dropped_reported, self._num_failovers_reported = dropped, self.num_failovers
+        self._num_failovers_reported = self.num_failovers
         return metrics
 
     # ------------------------------------------------------------------ control: every live server

@@ -51,6 +51,8 @@ from transformers.trainer_utils import TrainOutput
 from environments.routing import check_routes, resolve_environments
 from harness.config import AsyncGRPOConfig
 from harness.generation.client_thread import ClientThread
+from harness.generation.router import server_urls
+from harness.generation.server_states import ServerStates
 from harness.metrics import MetricsWindow
 from harness.model_loading import freeze_outside_text_model, load_model, outside_text_modules
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
@@ -184,9 +186,12 @@ class AsyncGRPOTrainer(Trainer):
                     current_weights=bool(self.state.global_step or counters.model_version),
                 )
             )
-            client = None
-            if processes.is_main:
-                client = stack.enter_context(ClientThread(base_urls, args.vllm_server_timeout))
+            client = server_states = None
+            if processes.is_main:  # one record of live servers for its router and the workers'
+                server_states = ServerStates.shared(server_urls(base_urls))
+                client = stack.enter_context(
+                    ClientThread(base_urls, args.vllm_server_timeout, server_states=server_states)
+                )
                 self._token_budget = args.token_budget or client.max_model_len()
             self._client = client
             self._token_budget = processes.broadcast(self._token_budget)
@@ -209,6 +214,7 @@ class AsyncGRPOTrainer(Trainer):
                     skip_positions=counters.done_positions,
                     version=counters.model_version,
                     token_allowance=self._token_allowance(),
+                    server_states=server_states,
                 )
                 stack.callback(self.worker.stop)
                 if args.save_rollouts:
