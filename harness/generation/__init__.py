@@ -5,7 +5,8 @@
     client_thread.py  ClientThread: a GenerationClient on a thread of its own, for the trainer's sync code
     server_load.py    a server's load from its Prometheus /metrics (what the concurrency cap reads)
     router.py         GenerationRouter: several servers behind one client's interface (placement by load,
-                      a group on one server, failover, control calls to every server)
+                      a group on one server, failover, control calls to every server, re-admission at a
+                      weight sync)
     server_states.py  ServerStates: which servers are live, one record for the trainer's router and every
                       rollout worker's (shared memory)
 

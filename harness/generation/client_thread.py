@@ -5,12 +5,14 @@ on a private thread, builds the client there (a `GenerationRouter` over the conf
 several: each call reaches every server) and runs its coroutines to completion from the calling
 thread. Rank 0 of the trainer opens one per run (`harness/training/trainer.py`), its router sharing the
 run's `ServerStates` with the rollout workers'; the weight-sync strategies
-(`harness/weight_sync/strategies.py`) drive every server call of a sync through it.
+(`harness/weight_sync/strategies.py`) drive every server call of a sync through it, inside `readmitting()`,
+which brings dropped servers that answer again into the sync and back into routing (router.py).
 
     with ClientThread("http://localhost:8000", timeout_s=1800) as server:   # waits until ready
-        server.call("pause", "keep")                  # a client coroutine, by name
-        reply = server.start("send_weight_manifest", info)   # started; a concurrent.futures.Future
-        server.call("resume")
+        with server.readmitting():                    # around each weight sync
+            server.call("pause", "keep")              # a client coroutine, by name
+            reply = server.start("send_weight_manifest", info)   # started; a concurrent.futures.Future
+            server.call("resume")
 
 Closing (leaving `with`) closes the client on its loop, then stops the loop thread.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -82,6 +84,27 @@ class ClientThread:
     def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a coroutine function to completion on the loop thread."""
         return self.portal.call(functools.partial(function, *args, **kwargs))
+
+    @contextlib.contextmanager
+    def readmitting(self) -> Iterator[list[str]]:
+        """Around one weight sync: the dropped servers that answer /health again join its calls, and are
+        routed to again (by every process sharing the server states) once it succeeded; after a failure they
+        stay dropped (`GenerationRouter.take_back`). Yields their URLs; [] for a client that is one server
+        (`client=` a double), which has none to take back."""
+        from harness.generation.router import GenerationRouter
+
+        if not isinstance(self.client, GenerationRouter):
+            yield []
+            return
+        joining = self.call("take_back")
+        try:
+            yield joining
+        except BaseException:
+            if joining:
+                self.call("leave_out")
+            raise
+        if joining:
+            self.call("readmit")
 
     def start(self, method: str, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """Start the client's coroutine method `method` on the loop thread; its future."""

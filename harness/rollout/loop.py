@@ -24,8 +24,8 @@ statistics and out of training (unless `score_infra_failures`); the worker carri
 stops the run if failures dominate. Generation goes through a `GenerationRouter` over the configured
 servers (one or several, harness/generation/router.py), which shares the run's record of live servers with
 the trainer's router (`server_states`): a turn on a server that dies is sent to another, a server the
-trainer dropped gets no more turns, and when no server is left its `AllServersUnavailableError` stops the
-run.
+trainer takes back after a weight sync is routed to again, and when no server is left its
+`AllServersUnavailableError` stops the run.
 """
 
 from __future__ import annotations

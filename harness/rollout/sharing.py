@@ -22,8 +22,8 @@ Metrics: each process sends its own windows, and the trainer's handle combines t
 levels each process samples of itself (rollouts in flight, its concurrency cap, its sandboxes) are summed
 over the processes, each process's mean first; what every process observes of the same servers and engines
 (the /metrics polls, servers and engines live or lost) is taken once, as the mean of the processes' values
-(a count as the largest), not added up N times. Server drops are counted in the shared record and each
-reported by one process only, so they add up as events do.
+(a count as the largest), not added up N times. Server drops and re-admissions are counted in the shared
+record and each reported by one process only, so they add up as events do.
 
 max_concurrent_rollouts, sandbox_min_idle and sandbox_engine_max_sandboxes are totals: each process gets
 its share (rounded up). Group ids are kept distinct by striding (process k numbers its groups k, k + N, ...).

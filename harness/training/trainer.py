@@ -14,7 +14,8 @@ What `train()` does, in order (the step itself is `_train_step` with `_train_on_
         plan the rows (harness/packing.py), forward each row with tree attention, take the loss on the
             trained tokens (harness/training/loss.py), backward; one optimizer step
         every weight_sync_steps: push the policy to the server (harness/weight_sync/: a LoRA adapter, or
-            merged weights through a file or a broadcast), bump the policy version
+            merged weights through a file or a broadcast; a dropped server that answers again takes it
+            too, and only then is routed to again), bump the policy version
         raise the worker's token allowance; log; checkpoint (harness/training/checkpointing.py)
     stop the worker (its environments and sandboxes close), then the server
 
