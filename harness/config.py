@@ -118,7 +118,8 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata=_help(
             "Base URL of the vLLM (or built-in) generation server; several servers: a list of URLs, or "
             "one string of them separated by commas (requests go to the least loaded, a group's rollouts "
-            "to one server; pause, resume and weight syncs reach every server)."
+            "to one server; pause, resume and weight syncs reach every server; one that stops answering "
+            "is dropped until it answers again and a weight sync brings it to the current policy)."
         ),
     )
     vllm_server_timeout: float = field(

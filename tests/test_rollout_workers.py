@@ -1,6 +1,6 @@
 """Several rollout worker processes behind one RolloutWorker handle (harness/rollout/sharing.py): real spawned
 processes, each sampling from its own in-process generation double, sharing the prompts and the token
-allowance through the handle's shared memory."""
+allowance through the handle's shared memory, and the record of live servers with the trainer."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from harness.config import AsyncGRPOConfig
+from harness.generation.server_states import ServerStates
 from harness.metrics import MetricsWindow
 from harness.rollout.loop import AsyncRolloutLoop
 from harness.rollout.pacing import TokenGate
@@ -48,6 +49,16 @@ class FakeServerLoop(AsyncRolloutLoop):
         return super().compute_advantages(group)
 
 
+class DropsItsServerLoop(FakeServerLoop):
+    """FakeServerLoop that first drops, in the server states it was given, the server numbered as its
+    process: the trainer's copy then shows which processes hold the same states."""
+
+    async def run(self) -> None:
+        assert self.server_states is not None
+        self.server_states.drop(self.share.index if self.share is not None else 0, seen=0)
+        await super().run()
+
+
 def rows(count: int, same_prompt: bool = False) -> list[dict[str, Any]]:
     return [
         {"prompt": [{"role": "user", "content": "count" if same_prompt else f"count to {i}"}]}
@@ -56,7 +67,14 @@ def rows(count: int, same_prompt: bool = False) -> list[dict[str, Any]]:
 
 
 def make_worker(
-    tmp_path: Path, dataset, *, processes: int, allowance: int = 1 << 40, **loop_overrides: Any
+    tmp_path: Path,
+    dataset,
+    *,
+    processes: int,
+    allowance: int = 1 << 40,
+    loop_cls: type = FakeServerLoop,
+    server_states: ServerStates | None = None,
+    **loop_overrides: Any,
 ) -> RolloutWorker:
     tokenizer = build_tiny_tokenizer()
     settings = dict(
@@ -79,7 +97,11 @@ def make_worker(
         **loop_overrides,
     }
     return RolloutWorker(
-        FakeServerLoop, loop_kwargs, num_processes=processes, initial_token_allowance=allowance
+        loop_cls,
+        loop_kwargs,
+        num_processes=processes,
+        initial_token_allowance=allowance,
+        server_states=server_states,
     )
 
 
@@ -203,6 +225,21 @@ def test_a_killed_process_is_named_and_stop_leaves_nothing(tmp_path):
             collect(worker, lambda _: False, timeout_s=30)
     finally:
         assert_stopped_and_clean(worker, pids)
+
+
+@pytest.mark.slow  # spawned worker processes: seconds each
+def test_every_process_holds_the_trainers_server_states(tmp_path):
+    states = ServerStates.shared(["http://gpu0:8000", "http://gpu1:8000"])  # as the trainer makes it
+    worker = make_worker(
+        tmp_path, rows(10_000), processes=2, loop_cls=DropsItsServerLoop, server_states=states
+    )
+    worker.start()
+    pids = [process.pid for process in worker._processes]
+    try:
+        collect(worker, lambda _: states.transitions() == [1, 1])  # each process dropped its own
+    finally:
+        assert_stopped_and_clean(worker, pids)
+    assert states.pop_counts() == (2, 0)
 
 
 def test_gates_on_one_shared_array_count_the_groups_of_both():

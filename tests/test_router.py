@@ -1,13 +1,18 @@
 """GenerationRouter at unit level: the URL list, placement by load, a group on one server, failover, control
-calls to every server, and the weight-sync plan over several servers. The servers are the shared
-generation double (harness.testing.FakeGenerationServer), with a load and a way to die added here; the
-same behaviour against real built-in servers is in tests/test_router_servers.py."""
+calls to every server, a drop shared by the routers of a run and a server taken back at a weight sync, and
+the weight-sync plan over several servers. The servers are the shared generation double
+(harness.testing.FakeGenerationServer), with a load and a way to die and restart added here; the same
+behaviour against real built-in servers, and across processes, is in tests/test_router_servers.py."""
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 import pytest
+import torch
 
+from harness.generation.client_thread import ClientThread
 from harness.generation.protocol import (
     AllServersUnavailableError,
     SamplingConfig,
@@ -16,8 +21,11 @@ from harness.generation.protocol import (
 )
 from harness.generation.router import GenerationRouter, placement_score, server_urls
 from harness.generation.server_load import ServerLoad
+from harness.generation.server_states import ServerStates
 from harness.testing import FakeGenerationServer
 from harness.weight_sync.plan import plan_weight_sync_for_servers
+from harness.weight_sync.strategies import MergedWeightSync
+from harness.weight_sync.transports import FileTransfer
 
 pytestmark = pytest.mark.anyio
 SAMPLING = SamplingConfig(max_tokens=4, num_logprobs=0)
@@ -33,8 +41,9 @@ def load(running: int = 0, waiting: int = 0, usage: float | None = 0.0, **counts
 
 
 class Server(FakeGenerationServer):
-    """The double with a /metrics load of its own, and `dead` to make it stop answering (every call then
-    raises ServerUnavailableError, as GenerationClient does once its retries are spent)."""
+    """The double with a /metrics load of its own, `dead` to make it stop answering (every call then
+    raises ServerUnavailableError, as GenerationClient does once its retries are spent), and `restart()`
+    to have it answer again holding nothing of the run (no adapter, no update)."""
 
     def __init__(self, name: str, latency_s: float = 0.0) -> None:
         super().__init__(lambda prompt, call: [7, 2], latency_s=latency_s, model_id=f"model-{name}")
@@ -48,8 +57,24 @@ class Server(FakeGenerationServer):
             if self.dead:
                 raise ServerUnavailableError(f"{self.name}: connection refused")
 
-        for method in ("wait_until_ready", "generate", "pause", "resume", "load_lora_adapter"):
+        for method in (
+            "wait_until_ready",
+            "generate",
+            "pause",
+            "resume",
+            "start_weight_update",
+            "send_weight_manifest",
+            "finish_weight_update",
+            "load_lora_adapter",
+            "unload_lora_adapter",
+        ):
             self.before(method, unless_dead)
+
+    def restart(self) -> None:
+        self.dead = False
+        self.adapters.clear()
+        self.weights.clear()
+        self.calls.clear()
 
     async def generate(self, prompt_ids, sampling, *, model=None, seed=None, route_key=None):
         self.models.append(model)
@@ -60,8 +85,19 @@ class Server(FakeGenerationServer):
         return self.load
 
 
-def router_of(*servers: Server) -> GenerationRouter:
-    return GenerationRouter(list(servers), urls=[f"http://{s.name}:8000" for s in servers], model="model-a")
+def urls_of(*servers: Server) -> list[str]:
+    return [f"http://{s.name}:8000" for s in servers]
+
+
+def router_of(*servers: Server, states: ServerStates | None = None) -> GenerationRouter:
+    return GenerationRouter(list(servers), urls=urls_of(*servers), model="model-a", states=states)
+
+
+def worker_and_trainer(*servers: Server) -> tuple[GenerationRouter, GenerationRouter]:
+    """Two routers over the same servers holding one record of which are live, as a rollout worker's and
+    the trainer's do (in one process here: tests/test_router_servers.py shares one across processes)."""
+    states = ServerStates(urls_of(*servers))
+    return router_of(*servers, states=states), router_of(*servers, states=states)
 
 
 # --- the URL list ---------------------------------------------------------------------------------------
@@ -207,6 +243,167 @@ async def test_with_every_server_gone_the_error_names_each_one():
     assert "resume the run from its last checkpoint" in message
     with pytest.raises(AllServersUnavailableError):
         await router.pause()
+
+
+# --- one record of live servers, and re-admission at a weight sync ---------------------------------------
+
+
+def test_server_states_change_only_as_their_caller_saw_them_and_report_each_change_once():
+    states = ServerStates(["http://a:8000", "http://b:8000"])
+    assert states.transitions() == [0, 0] and states.is_live(0)
+    assert states.drop(0, seen=0) and not states.is_live(0)
+    assert not states.drop(0, seen=0)  # a second router that saw it live: one drop, not two
+    assert not states.readmit(1, seen=0)  # b is live: nothing to take back
+    assert states.readmit(0, seen=1) and states.transitions() == [2, 0]
+    assert not states.drop(0, seen=0)  # a call sent before it came back does not drop it again
+    assert states.pop_counts() == (1, 1)
+    assert states.pop_counts() == (0, 0)  # whoever asks next: reported already
+    assert states.drop(0, seen=2) and states.pop_counts() == (1, 0)
+
+
+def test_a_router_refuses_states_kept_for_other_servers():
+    with pytest.raises(ValueError, match="build the states and every router from the same URL list"):
+        router_of(Server("a"), Server("b"), states=ServerStates(["http://a:8000"]))
+
+
+async def test_a_drop_by_one_router_stops_routing_in_another_holding_the_same_states():
+    a, b = Server("a"), Server("b")
+    worker, trainer = worker_and_trainer(a, b)
+    a.dead = True
+    await trainer.pause()  # the trainer's router finds a gone at a control call
+    await trainer.resume()
+    assert [server.live for server in worker.servers] == [False, True]
+    for _ in range(4):
+        await worker.generate([1], SAMPLING)
+    assert (a.generate_calls, b.generate_calls) == (0, 4) and worker.num_failovers == 0
+    metrics = worker.pop_metrics()
+    assert metrics["rollout/vllm_servers_live"] == 1 and metrics["rollout/vllm_server_dropped_count"] == 1
+    assert trainer.pop_metrics()["rollout/vllm_server_dropped_count"] == 0  # the run's drop, reported once
+    b.dead = True
+    with pytest.raises(AllServersUnavailableError) as raised:
+        await worker.generate([1], SAMPLING)
+    assert "http://a:8000: dropped elsewhere in the run (by the trainer or a rollout worker)" in str(
+        raised.value
+    )
+    assert "http://b:8000: b: connection refused" in str(raised.value)
+
+
+async def test_a_server_that_answers_again_takes_the_next_sync_and_only_then_is_routed_to(caplog):
+    caplog.set_level(logging.INFO, logger="harness.generation.router")
+    a, b = Server("a"), Server("b")
+    worker, trainer = worker_and_trainer(a, b)
+    a.dead = True
+    await worker.generate([1], SAMPLING)  # placed on a (idle, first), sent again to b: a is dropped
+    a.restart()  # answers /health again, with the weights it was started on
+    for _ in range(3):
+        await worker.generate([1], SAMPLING)
+    assert (a.generate_calls, b.generate_calls) == (1, 4)  # not routed to: it may hold stale weights
+    assert await trainer.take_back() == ["http://a:8000"]
+    assert not worker.servers[0].live  # in the sync, not yet in routing
+    await trainer.pause("keep")
+    await worker.generate([1], SAMPLING)
+    await trainer.resume()
+    assert a.calls == [("/pause", "keep"), ("/resume", None)] and b.calls == a.calls
+    assert (a.generate_calls, b.generate_calls) == (1, 5)
+    assert trainer.readmit() == ["http://a:8000"]
+    assert "http://a:8000 took the weight sync and is routed to again (2 of 2 live)" in caplog.text
+    for _ in range(2):
+        await worker.generate([1], SAMPLING)
+    assert a.generate_calls == 3  # the readmitted server, idle, takes new turns
+    metrics = worker.pop_metrics()
+    assert metrics["rollout/vllm_servers_live"] == 2
+    assert metrics["rollout/vllm_server_dropped_count"] == 1
+    assert metrics["rollout/vllm_server_readmitted_count"] == 1
+    assert await trainer.take_back() == []  # nothing left to take back
+
+
+async def test_a_returning_server_is_given_the_adapters_the_live_servers_hold():
+    a, b = Server("a"), Server("b")
+    trainer = router_of(a, b)
+    for version in (1, 2):
+        await trainer.load_lora_adapter(f"policy-v{version}", f"/adapters/policy-v{version}")
+    a.dead = True
+    await trainer.load_lora_adapter("policy-v3", "/adapters/policy-v3")  # a is dropped at this call
+    await trainer.unload_lora_adapter("policy-v1")  # out of the window
+    a.restart()  # a restarted server holds no adapter
+    assert await trainer.take_back() == ["http://a:8000"]
+    # what b holds, in the order it was loaded; each unloaded first, in case a still held it
+    assert [(route, body["lora_name"]) for route, body in a.calls] == [
+        ("/v1/unload_lora_adapter", "policy-v2"),
+        ("/v1/load_lora_adapter", "policy-v2"),
+        ("/v1/unload_lora_adapter", "policy-v3"),
+        ("/v1/load_lora_adapter", "policy-v3"),
+    ]
+    await trainer.load_lora_adapter("policy-v4", "/adapters/policy-v4")  # the sync: a takes it too
+    await trainer.unload_lora_adapter("policy-v2")
+    assert trainer.readmit() == ["http://a:8000"]
+    assert (
+        a.adapters == b.adapters == {"policy-v3": "/adapters/policy-v3", "policy-v4": "/adapters/policy-v4"}
+    )
+
+
+async def test_a_returning_server_that_fails_a_call_of_the_sync_stays_dropped_and_the_sync_goes_on(caplog):
+    a, b = Server("a"), Server("b")
+    router = router_of(a, b)
+    a.dead = True
+    await router.pause()
+    await router.resume()
+    assert await router.take_back() == []  # still not answering
+    a.restart()
+
+    async def refuses(*args: object) -> None:
+        raise ServerRequestError(400, "weight update refused")
+
+    a.before("start_weight_update", refuses)
+    assert await router.take_back() == ["http://a:8000"]
+    await router.pause()
+    await router.start_weight_update()  # refused by a: not an error of the sync
+    await router.finish_weight_update()
+    await router.resume()
+    assert [route for route, _ in a.calls] == ["/pause", "/start_weight_update"]  # left out of the rest
+    assert [route for route, _ in b.calls][-4:] == [
+        "/pause",
+        "/start_weight_update",
+        "/finish_weight_update",
+        "/resume",
+    ]
+    assert router.readmit() == [] and [server.live for server in router.servers] == [False, True]
+    assert (
+        "http://a:8000, back after a drop, stays dropped: POST /start_weight_update failed "
+        "(ServerRequestError: 400: weight update refused)" in caplog.text
+    )
+
+
+def test_a_merged_weight_sync_takes_a_returning_server_back_only_when_it_succeeds(tiny_qwen3, tmp_path):
+    a, b = Server("a"), Server("b")
+    router = router_of(a, b)
+
+    async def refuses(*args: object) -> None:
+        raise ServerRequestError(400, "manifest refused")
+
+    with ClientThread(client=router) as thread:
+        a.dead = True
+        thread.call("pause")  # the trainer's router drops a
+        thread.call("resume")
+        a.restart()
+        b.before("send_weight_manifest", refuses)  # a live server refuses: the sync fails
+        with pytest.raises(ServerRequestError, match="manifest refused"):
+            MergedWeightSync(FileTransfer(tmp_path), thread).sync(tiny_qwen3, 1)
+        assert [server.live for server in router.servers] == [False, True]  # stays out: it took no sync
+        b.before("send_weight_manifest", None)
+        MergedWeightSync(FileTransfer(tmp_path), thread).sync(tiny_qwen3, 2)
+    assert [server.live for server in router.servers] == [True, True]
+    assert [route for route, _ in a.calls][-5:] == [
+        "/pause",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/resume",
+    ]
+    served = dict(tiny_qwen3.named_parameters())
+    assert a.weights.keys() == b.weights.keys() and a.weights
+    for name, tensor in a.weights.items():  # every weight, as the live server got it
+        assert torch.equal(tensor, b.weights[name]) and torch.equal(tensor, served[name].detach())
 
 
 # --- control calls ---------------------------------------------------------------------------------------

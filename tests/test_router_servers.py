@@ -3,19 +3,24 @@
 What several servers promise a run: requests spread by load and a group stays on one server (checked
 against each server's own request counter, vllm:request_success_total), pause, resume and a weight
 update reach both (their served log-probs become the new model's), a server killed mid-run has its
-in-flight turns finished on the other with nothing lost and the drop counted, and with both killed the
-run stops with an error naming them. The router records where it placed each request
-(`RecordingRouter`); everything else is the real loop, client and servers.
+in-flight turns finished on the other with nothing lost and the drop counted, with both killed the run
+stops with an error naming them, a server killed and restarted mid-run is routed to again only after the
+next weight sync took it back (and then serves the synced policy), and a drop recorded by the trainer's
+router stops routing in a spawned process holding the same server states. The router records where it
+placed each request (`RecordingRouter`); everything else is the real loop, client, weight sync and servers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import signal
 import time
+import types
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+from urllib.parse import urlparse
 
 import anyio
 import pytest
@@ -25,9 +30,10 @@ from test_rollout_loop import make_loop, metrics, prompt_rows
 
 from harness.generation.client import GenerationClient
 from harness.generation.client_thread import ClientThread
-from harness.generation.protocol import AllServersUnavailableError, SamplingConfig
+from harness.generation.protocol import AllServersUnavailableError, Completion, SamplingConfig
 from harness.generation.router import GenerationRouter
 from harness.generation.server_load import parse_prometheus
+from harness.generation.server_states import ServerStates
 from harness.server.launch import BuiltinServer, start_builtin_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -39,22 +45,26 @@ def anyio_backend():
     return "asyncio"
 
 
+def builtin_server(model_dir: str, log_path, port: int = 0) -> BuiltinServer:
+    """A real built-in server on the tiny model, one thread (`port` 0: a free one)."""
+    return start_builtin_server(
+        model_dir,
+        port=port,
+        device="cpu",
+        dtype="float32",
+        max_model_len=512,
+        num_threads=1,
+        timeout_s=180,
+        log_path=log_path,
+    )
+
+
 @contextlib.contextmanager
 def builtin_servers(model_dir: str, log_dir) -> Iterator[list[BuiltinServer]]:
     """Two real built-in servers on the tiny model, one thread each; stopped (or found dead) after."""
     with contextlib.ExitStack() as stack:
         servers = [
-            stack.enter_context(
-                start_builtin_server(
-                    model_dir,
-                    device="cpu",
-                    dtype="float32",
-                    max_model_len=512,
-                    num_threads=1,
-                    timeout_s=180,
-                    log_path=log_dir / f"server-{index}.log",
-                )
-            )
+            stack.enter_context(builtin_server(model_dir, log_dir / f"server-{index}.log"))
             for index in range(2)
         ]
         yield servers
@@ -91,13 +101,32 @@ class RecordingRouter(GenerationRouter):
         return sum(placed == url for _, placed in self.placements)
 
 
-def router_over(servers, **client_kwargs: Any) -> RecordingRouter:
+class RecordingClient(GenerationClient):
+    """The HTTP client, keeping each completion it returned with its prompt."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.completions: list[tuple[list[int], Completion]] = []
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, **kwargs: Any) -> Completion:
+        completion = await super().generate(prompt_ids, sampling, **kwargs)
+        self.completions.append((list(prompt_ids), completion))
+        return completion
+
+
+def router_at(
+    urls: Sequence[str], states: ServerStates | None = None, **client_kwargs: Any
+) -> RecordingRouter:
     """Fast retries, so a killed server is given up on in a fraction of a second."""
     settings = dict(
         timeout_s=30, max_concurrency=8, max_retries=2, retry_backoff_s=0.02, retry_backoff_max_s=0.05
     )
     settings.update(client_kwargs)
-    return RecordingRouter([GenerationClient(server.base_url, **settings) for server in servers])
+    return RecordingRouter([RecordingClient(url, **settings) for url in urls], states=states)
+
+
+def router_over(servers, states: ServerStates | None = None, **client_kwargs: Any) -> RecordingRouter:
+    return router_at([server.base_url for server in servers], states, **client_kwargs)
 
 
 def served(url: str) -> int:
@@ -182,36 +211,44 @@ def recomputed(model, prompt: list[int], output: list[int]) -> list[float]:
     return [logprobs[i, token].item() for i, token in enumerate(output)]
 
 
-def test_pause_resume_and_a_weight_update_reach_both_servers(shared_servers):
+def perturbed_policy() -> Any:
+    """The tiny model the servers start on, every weight moved: what a weight sync then sends them."""
     from harness.testing import build_tiny_qwen3
+
+    policy = build_tiny_qwen3()
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return policy
+
+
+async def on_each(urls: Sequence[str], method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    """A client method's answer from each server in turn, straight from it (no router)."""
+    results = []
+    for url in urls:
+        async with GenerationClient(url, timeout_s=60) as client:
+            results.append(await getattr(client, method)(*args, **kwargs))
+    return results
+
+
+def test_pause_resume_and_a_weight_update_reach_both_servers(shared_servers):
     from harness.weight_sync.strategies import MergedWeightSync
     from harness.weight_sync.transports import FileTransfer
 
     urls = [server.base_url for server in shared_servers]
     sampling = SamplingConfig(max_tokens=6, temperature=1.0, num_logprobs=0)
-
-    async def on_each(method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        results = []
-        for url in urls:
-            async with GenerationClient(url, timeout_s=60) as client:
-                results.append(await getattr(client, method)(*args, **kwargs))
-        return results
-
-    policy = build_tiny_qwen3()  # what the servers serve, until the update below
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(1)
-        for parameter in policy.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    policy = perturbed_policy()  # the servers serve the tiny model until the update below
     with ClientThread(urls, 60) as thread:
         thread.call("pause", "keep")
-        assert anyio.run(on_each, "is_paused") == [True, True]
+        assert anyio.run(on_each, urls, "is_paused") == [True, True]
         thread.call("resume")
-        assert anyio.run(on_each, "is_paused") == [False, False]
-        old = anyio.run(lambda: on_each("generate", PROMPT, sampling, seed=3))
+        assert anyio.run(on_each, urls, "is_paused") == [False, False]
+        old = anyio.run(lambda: on_each(urls, "generate", PROMPT, sampling, seed=3))
         with MergedWeightSync(FileTransfer(), thread) as sync:
             sync.sync(policy, 1)
-        new = anyio.run(lambda: on_each("generate", PROMPT, sampling, seed=3))
-        assert anyio.run(on_each, "is_paused") == [False, False]  # resumed after the sync
+        new = anyio.run(lambda: on_each(urls, "generate", PROMPT, sampling, seed=3))
+        assert anyio.run(on_each, urls, "is_paused") == [False, False]  # resumed after the sync
     for before, after in zip(old, new, strict=True):
         # each server now serves the updated policy: its log-probs are the policy's own, not the old ones
         ours = recomputed(policy, PROMPT, after.output_ids)
@@ -280,3 +317,142 @@ async def test_with_both_servers_killed_the_run_stops_naming_them(two_servers, t
     assert "every generation server stopped answering" in message
     assert all(server.base_url in message for server in two_servers)
     assert not any(server.live for server in router.servers)
+
+
+def trainer_sync(urls: Sequence[str], states: ServerStates, policy: Any) -> list[bool]:
+    """What the trainer does at a weight sync, from its own ClientThread and router holding `states`: a
+    merged sync through the shared-memory file. Which servers its router saw live before."""
+    from harness.weight_sync.strategies import MergedWeightSync
+    from harness.weight_sync.transports import FileTransfer
+
+    with ClientThread(urls, 60, server_states=states) as thread:
+        live = [server.live for server in thread.client.servers]
+        with MergedWeightSync(FileTransfer(), thread) as sync:
+            sync.sync(policy, 1)
+    return live
+
+
+async def test_a_restarted_server_is_routed_to_again_only_after_a_weight_sync_and_serves_its_policy(
+    two_servers, tiny_model_dir, tmp_path
+):
+    survivor, victim = two_servers
+    urls = [server.base_url for server in two_servers]
+    states = ServerStates.shared(urls)  # the run's record, as the trainer makes it
+    router = router_over(two_servers, states)  # the rollout worker's
+    loop = loop_over(router, tmp_path, num_prompts=2000, max_completion_length=16)  # stopped below
+    stop = anyio.Event()
+    loop.stop_event = types.SimpleNamespace(is_set=stop.is_set)
+    policy = perturbed_policy()
+    sampling = SamplingConfig(max_tokens=6, temperature=1.0, num_logprobs=0)
+    marks: dict[str, Any] = {}
+
+    async def until(condition) -> None:
+        while not condition():
+            await anyio.sleep(0.01)
+
+    async def kill_restart_and_sync(stack: contextlib.ExitStack) -> None:
+        await until(lambda: router.placed_on(victim.base_url) >= 2)
+        victim.process.send_signal(signal.SIGKILL)
+        await anyio.to_thread.run_sync(victim.process.wait)
+        await until(lambda: not router.servers[1].live)  # dropped by the worker's router at a turn
+        marks["dropped"] = len(router.placements)
+        port = urlparse(victim.base_url).port
+        restarted = await anyio.to_thread.run_sync(
+            lambda: stack.enter_context(builtin_server(tiny_model_dir, tmp_path / "restarted.log", port))
+        )
+        assert restarted.base_url == victim.base_url
+        marks["restarted"] = len(router.servers[1].client.completions)
+        # it answers /health, holding the weights it started on; the run goes on without it
+        on_survivor = router.placed_on(survivor.base_url)
+        await until(lambda: router.placed_on(survivor.base_url) >= on_survivor + 16)
+        assert served(victim.base_url) == 0 and not router.servers[1].live
+        (marks["stale"],) = await on_each([victim.base_url], "generate", PROMPT, sampling, seed=3)
+        marks["synced"] = len(router.placements)
+        on_victim = router.placed_on(victim.base_url)
+        # the trainer: its router saw the worker's drop, and its sync takes the server back
+        marks["trainer saw"] = await anyio.to_thread.run_sync(trainer_sync, urls, states, policy)
+        await until(lambda: router.placed_on(victim.base_url) >= on_victim + 3)
+        while await anyio.to_thread.run_sync(served, victim.base_url) < 2:  # the turn above, and one routed
+            await anyio.sleep(0.1)
+        stop.set()
+
+    with contextlib.ExitStack() as stack:
+        with anyio.fail_after(300):
+            async with router, anyio.create_task_group() as tasks:
+                tasks.start_soon(kill_restart_and_sync, stack)
+                await loop.run()
+        assert marks["trainer saw"] == [True, False]
+        # nothing went to it between the drop and the sync; after the sync it took new turns
+        between = router.placements[marks["dropped"] : marks["synced"]]
+        assert between and all(url == survivor.base_url for _, url in between)
+        after = [url for _, url in router.placements[marks["synced"] :]]
+        assert after.count(victim.base_url) >= 3
+        assert [server.live for server in router.servers] == [True, True]
+        summary = metrics(loop)
+        assert summary["rollout/vllm_server_dropped_count"] == 1
+        assert summary["rollout/vllm_server_readmitted_count"] == 1
+        # every turn the restarted server served the run was sampled from the synced policy
+        turns = router.servers[1].client.completions[marks["restarted"] :]
+        assert turns
+        for prompt_ids, completion in turns:
+            ours = recomputed(policy, prompt_ids, completion.output_ids)
+            assert completion.output_log_probs == pytest.approx(ours, abs=1e-4)
+        # what it serves now is the synced policy, as the survivor does; before the sync it was not
+        synced = await on_each(urls, "generate", PROMPT, sampling, seed=3)
+    for completion in synced:
+        ours = recomputed(policy, PROMPT, completion.output_ids)
+        assert completion.output_log_probs == pytest.approx(ours, abs=1e-4)
+    stale = marks["stale"]
+    assert stale.output_log_probs != pytest.approx(recomputed(policy, PROMPT, stale.output_ids), abs=1e-2)
+
+
+def route_in_child(urls: list[str], states: ServerStates, commands: Any, answers: Any) -> None:
+    """A spawned process's router over the servers, holding `states` (as a rollout worker's does): per
+    "route" command four turns, answered with each server's live flag, the turns placed on each so far and
+    its metrics."""
+
+    async def main() -> None:
+        sampling = SamplingConfig(max_tokens=2, temperature=1.0, num_logprobs=0)
+        async with router_at(urls, states) as router:
+            while await anyio.to_thread.run_sync(commands.get) == "route":
+                for _ in range(4):
+                    await router.generate(PROMPT, sampling)
+                live = [server.live for server in router.servers]
+                answers.put((live, [router.placed_on(url) for url in urls], router.pop_metrics()))
+
+    anyio.run(main)
+
+
+def test_a_drop_by_the_trainers_router_stops_routing_in_a_spawned_process(two_servers):
+    victim = two_servers[1]
+    urls = [server.base_url for server in two_servers]
+    states = ServerStates.shared(urls)
+    context = multiprocessing.get_context("spawn")
+    commands, answers = context.Queue(), context.Queue()
+    child = context.Process(target=route_in_child, args=(urls, states, commands, answers), daemon=True)
+    child.start()
+    try:
+        commands.put("route")
+        live, placed, _ = answers.get(timeout=120)
+        assert live == [True, True] and placed == [2, 2]  # idle servers take turns in turn
+        with ClientThread(urls, 60, server_states=states) as thread:  # the trainer's
+            victim.process.send_signal(signal.SIGKILL)
+            victim.process.wait()
+            thread.call("pause", "keep")  # its router finds the victim gone
+            thread.call("resume")
+        commands.put("route")
+        live, placed, child_metrics = answers.get(timeout=60)
+        # the child never sent the victim a turn again: it knew before it tried
+        assert live == [True, False] and placed == [6, 2]
+        assert child_metrics["rollout/vllm_failover_count"] == 0
+        assert child_metrics["rollout/vllm_server_dropped_count"] == 1
+        assert child_metrics["rollout/vllm_servers_live"] == 1
+        commands.put("stop")
+        child.join(30)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        commands.close()
+        answers.close()

@@ -5,7 +5,10 @@
     client_thread.py  ClientThread: a GenerationClient on a thread of its own, for the trainer's sync code
     server_load.py    a server's load from its Prometheus /metrics (what the concurrency cap reads)
     router.py         GenerationRouter: several servers behind one client's interface (placement by load,
-                      a group on one server, failover, control calls to every server)
+                      a group on one server, failover, control calls to every server, re-admission at a
+                      weight sync)
+    server_states.py  ServerStates: which servers are live, one record for the trainer's router and every
+                      rollout worker's (shared memory)
 
 Who talks to it: harness/rollout/ samples through a GenerationRouter (of one GenerationClient per server);
 harness/training/ and harness/weight_sync/ drive pause, resume and weight updates through ClientThread,
@@ -23,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "ModelInfo": "harness.generation.client",
     "SamplingConfig": "harness.generation.client",
     "ServerLoad": "harness.generation.server_load",
+    "ServerStates": "harness.generation.server_states",
 }
 
 __all__ = sorted(_EXPORTS)

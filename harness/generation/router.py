@@ -22,20 +22,48 @@ Failover: a server is dropped from routing when it stops answering: a call faile
 `ServerUnavailableError` (the client's retries spent) and one look at its /health fails too. A generation
 request on a dropped server is sent again to another live server (its group follows it there); a server
 that still answers /health keeps its place and the request's error goes to the caller (for the rollout
-loop, a failed rollout). Drops and failovers are counted in `pop_metrics()` (`rollout/vllm_servers_live`,
-`rollout/vllm_server_dropped_count`, `rollout/vllm_failover_count`); a dropped server is not taken back.
-With no server left every call raises `AllServersUnavailableError`, naming each server and its failure:
-the rollout loop lets it stop the run.
+loop, a failed rollout). Which servers are live is one record for the run (`ServerStates`, server_states.py,
+in shared memory) that the trainer's router and every rollout worker's hold: a drop by any of them stops
+routing in all. With no server left every call raises `AllServersUnavailableError`, naming each server and
+its failure: the rollout loop lets it stop the run.
+
+Re-admission: a dropped server that answers /health again is routed to again only once it holds the current
+policy, which only the side that syncs weights can give it. The trainer's router takes it back around each
+weight sync (`ClientThread.readmitting`, entered by `WeightSync.sync`):
+
+    joining = await router.take_back()   # dropped servers that answer /health join the sync's calls
+    ...                                  # the sync: pause, weight update, resume; or the new adapter
+    router.readmit()                     # they took all of it: live again, for every router
+    router.leave_out()                   # instead, when the sync failed: they stay dropped
+
+A joining server takes the sync's control calls and no generation. For adapter sync it first gets the
+adapters the live servers hold (the router keeps what it loaded and unloaded), so every version a worker
+may still name is there; a merged sync sends every weight. One that fails a call is left out of the rest
+of the sync and stays dropped until the next (logged): it never fails the sync.
+
+Run start and mid-run: at start every server must answer /health, and the weight sync's start puts each on
+the starting policy (adapter sync loads the starting version; merged sync takes each to serve what it was
+started on). What a server that comes back mid-run holds is unknown (a restart on some checkpoint, or
+stale weights after a partition), so it waits for the next sync, even before the run's first, when its
+checkpoint may be the policy: the router cannot tell, and the wait is at most weight_sync_steps steps. With
+one server its drop stops the run: nothing is taken back.
+
+Metrics (`pop_metrics()`): `rollout/vllm_servers_live`, `rollout/vllm_server_dropped_count`,
+`rollout/vllm_server_readmitted_count` and `rollout/vllm_failover_count`. Drops and re-admissions are the
+run's, each reported once, by whichever router pops them first (the workers': the trainer's never pops);
+failovers are this router's.
 
 Control calls (pause, resume, the weight-update steps, adapters) go to every live server at once; an
 error of one is raised, naming the server (a half-applied sync must surface), except that a server which
-no longer answers /health is dropped and the call counts as done on the others. Calls that only make sense
-for one server (the broadcast group's `get_world_size`, `init_weight_transfer_engine`) refuse several.
+no longer answers /health is dropped and the call counts as done on the others (a joining server's error
+leaves it out, above). Calls that only make sense for one server (the broadcast group's `get_world_size`,
+`init_weight_transfer_engine`) refuse several.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -48,16 +76,20 @@ import anyio
 from harness.generation.protocol import (
     AllServersUnavailableError,
     Completion,
+    GenerationError,
     ModelInfo,
     PauseMode,
     SamplingConfig,
+    ServerRequestError,
     ServerUnavailableError,
 )
 from harness.generation.server_load import ServerLoad
+from harness.generation.server_states import ServerStates, is_live
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_ROUTE_KEYS = 65_536  # groups remembered for stickiness (the oldest are forgotten first)
+HEALTH_PROBE_S = 5.0  # how long a dropped server's /health may take to count as answering again
 
 
 def server_urls(value: str | Sequence[str]) -> list[str]:
@@ -118,12 +150,19 @@ class _Server:
 
     url: str
     client: Any  # a GenerationClient, or any SamplingServer and ServerControl
-    live: bool = True
-    failure: str = ""
+    index: int  # its slot in the ServerStates
+    states: ServerStates
+    seen: int = 0  # its transitions (server_states.py) when this router last looked
+    failure: str = ""  # why this router dropped it
     load: ServerLoad | None = None
     in_flight: int = 0
     in_flight_at_poll: int = 0
     num_requests: int = 0  # generation requests placed here (for logs and tests)
+
+    @property
+    def live(self) -> bool:
+        """Whether it is routed to now, by any router sharing the states."""
+        return self.states.is_live(self.index)
 
 
 class GenerationRouter:
@@ -135,6 +174,8 @@ class GenerationRouter:
         model: The model name requests send when they name none; a name any server serves as its base
             model means each server's own base model (servers may serve one checkpoint under different ids).
         owns_clients: Whether `aclose()` closes the clients.
+        states: The run's record of which servers are live, shared with its other routers
+            (`ServerStates.shared`, over the same URLs); default: one of this router's own.
     """
 
     def __init__(
@@ -144,31 +185,50 @@ class GenerationRouter:
         urls: Sequence[str] | None = None,
         model: str | None = None,
         owns_clients: bool = True,
+        states: ServerStates | None = None,
     ) -> None:
         if not clients:
             raise ValueError("a GenerationRouter needs at least one server")
         names = list(urls) if urls is not None else [str(client.root_url) for client in clients]
         if len(names) != len(clients):
             raise ValueError(f"{len(clients)} clients but {len(names)} URLs")
-        self.servers = [_Server(url, client) for url, client in zip(names, clients, strict=True)]
+        self.states = states if states is not None else ServerStates(names)
+        if self.states.urls != tuple(names):
+            raise ValueError(
+                f"the shared server states are of {', '.join(self.states.urls)} and this router's servers "
+                f"are {', '.join(names)}: build the states and every router from the same URL list"
+            )
+        self.servers = [
+            _Server(url, client, index, self.states, seen=seen)
+            for index, (url, client, seen) in enumerate(
+                zip(names, clients, self.states.transitions(), strict=True)
+            )
+        ]
         self.model = model
         self.owns_clients = owns_clients
         self._routes: collections.OrderedDict[Hashable, _Server] = collections.OrderedDict()
         self._served_ids: set[str] = set()
-        self._num_dropped_reported = 0
+        self._joining: dict[_Server, int] = {}  # taken back for the weight sync under way: its transitions
+        self._adapters: dict[str, str] = {}  # the adapters loaded through this router: name -> path
         self.num_failovers = 0
         self._num_failovers_reported = 0
 
     @classmethod
     def from_urls(
-        cls, base_url: str | Sequence[str], *, model: str | None = None, **client_kwargs: Any
+        cls,
+        base_url: str | Sequence[str],
+        *,
+        model: str | None = None,
+        states: ServerStates | None = None,
+        **client_kwargs: Any,
     ) -> GenerationRouter:
         """A router over a `GenerationClient(url, **client_kwargs)` per server of `base_url` (a URL, several
-        separated by commas, or a list: `server_urls`)."""
+        separated by commas, or a list: `server_urls`), sharing `states` when given."""
         from harness.generation.client import GenerationClient
 
         urls = server_urls(base_url)
-        return cls([GenerationClient(url, **client_kwargs) for url in urls], urls=urls, model=model)
+        clients = [GenerationClient(url, **client_kwargs) for url in urls]
+        return cls(clients, urls=urls, model=model, states=states)
 
     async def __aenter__(self) -> GenerationRouter:
         return self
@@ -189,10 +249,21 @@ class GenerationRouter:
         return [server.url for server in self.servers]
 
     def live_servers(self) -> list[_Server]:
-        return [server for server in self.servers if server.live]
+        """The servers routed to now (by the shared states). One taken back since this router last looked
+        starts afresh: its load from before the drop says nothing of it now."""
+        live = []
+        for server, transitions in zip(self.servers, self.states.transitions(), strict=True):
+            if transitions != server.seen:
+                server.seen = transitions
+                if is_live(transitions):
+                    server.failure, server.load, server.in_flight_at_poll = "", None, server.in_flight
+            if is_live(transitions):
+                live.append(server)
+        return live
 
     def _none_left(self) -> AllServersUnavailableError:
-        failures = "; ".join(f"{server.url}: {server.failure}" for server in self.servers)
+        elsewhere = "dropped elsewhere in the run (by the trainer or a rollout worker)"
+        failures = "; ".join(f"{server.url}: {server.failure or elsewhere}" for server in self.servers)
         return AllServersUnavailableError(
             f"every generation server stopped answering, so the run cannot go on ({failures}); restart "
             "them (or fix the URLs in vllm_server_base_url) and resume the run from its last checkpoint"
@@ -204,28 +275,26 @@ class GenerationRouter:
             raise self._none_left()
         return live
 
-    async def _drop_if_gone(self, server: _Server, error: Exception) -> bool:
-        """Drop `server` from routing when it does not answer /health either; whether it is gone (dropped
-        now or before). Raises AllServersUnavailableError when it was the last one."""
-        if server.live:
+    async def _drop_if_gone(self, server: _Server, error: Exception, seen: int) -> bool:
+        """Drop `server` from routing, for every router sharing the states, when it does not answer /health
+        either; whether it is gone: dropped now, or by anyone since `seen` (its transitions when the failed
+        call went out). Raises AllServersUnavailableError when none is left."""
+        if self.states.transitions()[server.index] == seen:
             try:
                 await server.client.wait_until_ready(timeout_s=0)
             except ServerUnavailableError:
                 pass
             else:
                 return False
-            if not server.live:  # another request dropped it meanwhile
-                return True
-            server.live = False
-            server.failure = str(error)
-            left = len(self.live_servers())
-            log.error(
-                "generation server %s stopped answering and is dropped from routing (%d of %d left): %s",
-                server.url,
-                left,
-                len(self.servers),
-                error,
-            )
+            if self.states.drop(server.index, seen):
+                server.failure = str(error)
+                log.error(
+                    "generation server %s stopped answering and is dropped from routing (%d of %d left): %s",
+                    server.url,
+                    len(self.live_servers()),
+                    len(self.servers),
+                    error,
+                )
         if not self.live_servers():
             raise self._none_left() from error
         return True
@@ -248,20 +317,27 @@ class GenerationRouter:
         return results
 
     async def _fan_out(self, what: str, call: Callable[[Any], Awaitable[T]]) -> list[tuple[_Server, T]]:
-        """`call(client)` on every live server at once; (server, result) of each that did it. A server that
-        fails and no longer answers /health is dropped; any other failure is raised, with a note naming
-        the server."""
-        servers = self._live_or_raise()
+        """`call(client)` on every live server at once, and on those joining a weight sync (`take_back`);
+        (server, result) of each that did it. A live server that fails and no longer answers /health is
+        dropped; any other failure of one is raised, with a note naming the server. A joining server that
+        fails is left out of the sync instead."""
+        live = self._live_or_raise()
+        seen = {server: server.seen for server in live}
+        servers = live + [server for server in self._joining if server not in live]
         results = await self._each(servers, call)
         done: list[tuple[_Server, T]] = []
         for server, result in zip(servers, results, strict=True):
             if not isinstance(result, Exception):
                 done.append((server, result))
+            elif server in self._joining:
+                self._leave_out(server, f"{what} failed ({type(result).__name__}: {result})")
+            elif isinstance(result, ServerUnavailableError) and await self._drop_if_gone(
+                server, result, seen[server]
+            ):
                 continue
-            if isinstance(result, ServerUnavailableError) and await self._drop_if_gone(server, result):
-                continue
-            result.add_note(f"{what} on generation server {server.url}")
-            raise result
+            else:
+                result.add_note(f"{what} on generation server {server.url}")
+                raise result
         return done
 
     # ------------------------------------------------------------------ readiness and model
@@ -298,7 +374,7 @@ class GenerationRouter:
         live = self._live_or_raise()
         if route_key is not None:
             server = self._routes.get(route_key)
-            if server is not None and server.live:
+            if server is not None and server in live:
                 self._routes.move_to_end(route_key)
                 return server
         # ties (idle servers) go to the one that was sent the fewest requests, so one-at-a-time traffic
@@ -327,12 +403,15 @@ class GenerationRouter:
         backend_model = await self._backend_model(model)
         while True:
             server = self._place(route_key)
+            seen = server.seen  # as _place just read it
             server.in_flight += 1
             server.num_requests += 1
             try:
                 return await server.client.generate(prompt_ids, sampling, model=backend_model, seed=seed)
             except ServerUnavailableError as exc:
-                if isinstance(exc, AllServersUnavailableError) or not await self._drop_if_gone(server, exc):
+                if isinstance(exc, AllServersUnavailableError) or not await self._drop_if_gone(
+                    server, exc, seen
+                ):
                     raise
                 self.num_failovers += 1
                 log.warning("a turn on %s is sent to another generation server", server.url)
@@ -375,18 +454,96 @@ class GenerationRouter:
 
     def pop_metrics(self) -> dict[str, float]:
         """The servers' counters since the previous call, summed (rollout/vllm_retry_count, ...), and the
-        router's: rollout/vllm_servers_live (servers routed to), rollout/vllm_server_dropped_count (servers
-        dropped since) and rollout/vllm_failover_count (turns sent again to another server)."""
+        router's: rollout/vllm_servers_live (servers routed to), rollout/vllm_server_dropped_count and
+        rollout/vllm_server_readmitted_count (the run's drops and re-admissions not yet reported by any
+        router sharing the states) and rollout/vllm_failover_count (this router's turns sent again to
+        another server)."""
         metrics: dict[str, float] = {}
         for server in self.servers:
             for name, value in server.client.pop_metrics().items():
                 metrics[name] = metrics.get(name, 0.0) + value
-        dropped = len(self.servers) - len(self.live_servers())
-        metrics["rollout/vllm_servers_live"] = float(len(self.servers) - dropped)
-        metrics["rollout/vllm_server_dropped_count"] = float(dropped - self._num_dropped_reported)
+        dropped, readmitted = self.states.pop_counts()
+        metrics["rollout/vllm_servers_live"] = float(len(self.live_servers()))
+        metrics["rollout/vllm_server_dropped_count"] = float(dropped)
+        metrics["rollout/vllm_server_readmitted_count"] = float(readmitted)
         metrics["rollout/vllm_failover_count"] = float(self.num_failovers - self._num_failovers_reported)
-        self._num_dropped_reported, self._num_failovers_reported = dropped, self.num_failovers
+        self._num_failovers_reported = self.num_failovers
         return metrics
+
+    # ------------------------------------------------------------------ re-admission: the syncing side
+
+    async def take_back(self) -> list[str]:
+        """As a weight sync starts: each dropped server that answers /health again joins this router's
+        control calls (not its routing) until `readmit` or `leave_out`, after the adapters the live servers
+        hold are loaded onto it; their URLs (see the module docstring)."""
+        live = self.live_servers()
+        dropped = [server for server in self.servers if server not in live and server not in self._joining]
+
+        async def answers(client: Any) -> None:
+            with anyio.fail_after(HEALTH_PROBE_S):
+                await client.wait_until_ready(timeout_s=0)
+
+        results = await self._each(dropped, answers)
+        for server, result in zip(dropped, results, strict=True):
+            if isinstance(result, ServerUnavailableError | TimeoutError):
+                continue  # still gone
+            if isinstance(result, Exception):
+                raise result
+            try:
+                await self._load_adapters_onto(server)
+            except GenerationError as exc:
+                log.warning(
+                    "generation server %s answers again but could not load the current adapters (%s), so it "
+                    "stays dropped and is tried again at the next weight sync; restart it to clear what "
+                    "it still holds",
+                    server.url,
+                    exc,
+                )
+                continue
+            self._joining[server] = server.seen
+            log.info(
+                "generation server %s answers again: it takes this weight sync, then is routed to again",
+                server.url,
+            )
+        return [server.url for server in self._joining]
+
+    async def _load_adapters_onto(self, server: _Server) -> None:
+        """The adapters loaded through this router, in their order, onto `server`; each unloaded first (a
+        server that was unreachable without restarting may still hold it, and a name loads only once)."""
+        for name, path in self._adapters.items():
+            with contextlib.suppress(ServerRequestError):  # not loaded there: what a restarted server says
+                await server.client.unload_lora_adapter(name)
+            await server.client.load_lora_adapter(name, path)
+
+    def readmit(self) -> list[str]:
+        """After a weight sync that succeeded: the servers that joined it and took every call are live
+        again, for every router sharing the states; their URLs."""
+        readmitted = [
+            server for server, seen in self._joining.items() if self.states.readmit(server.index, seen)
+        ]
+        self._joining.clear()
+        for server in readmitted:
+            log.info(
+                "generation server %s took the weight sync and is routed to again (%d of %d live)",
+                server.url,
+                len(self.live_servers()),
+                len(self.servers),
+            )
+        return [server.url for server in readmitted]
+
+    def leave_out(self) -> None:
+        """After a weight sync that failed: the servers that joined it stay dropped (until the next one)."""
+        for server in list(self._joining):
+            self._leave_out(server, "the weight sync failed")
+
+    def _leave_out(self, server: _Server, why: str) -> None:
+        del self._joining[server]
+        log.warning(
+            "generation server %s, back after a drop, stays dropped: %s; it is tried again at the next "
+            "weight sync",
+            server.url,
+            why,
+        )
 
     # ------------------------------------------------------------------ control: every live server
 
@@ -411,9 +568,11 @@ class GenerationRouter:
 
     async def load_lora_adapter(self, name: str, path: str | Path) -> None:
         await self._fan_out("loading an adapter", lambda client: client.load_lora_adapter(name, path))
+        self._adapters[name] = str(path)
 
     async def unload_lora_adapter(self, name: str) -> None:
         await self._fan_out("unloading an adapter", lambda client: client.unload_lora_adapter(name))
+        self._adapters.pop(name, None)
 
     async def server_info(self) -> dict[str, Any]:
         """The first live server's /server_info (`server_infos` has every server's)."""

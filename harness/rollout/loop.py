@@ -22,8 +22,10 @@ not start or died, a tool that timed out, the server failing after retries, an e
 get_reward) becomes a Rollout with status "failed", counted by type and kept out of the group's
 statistics and out of training (unless `score_infra_failures`); the worker carries on. `FailureBreaker`
 stops the run if failures dominate. Generation goes through a `GenerationRouter` over the configured
-servers (one or several, harness/generation/router.py); a turn on a server that dies is sent to another,
-and when no server is left its `AllServersUnavailableError` stops the run.
+servers (one or several, harness/generation/router.py), which shares the run's record of live servers with
+the trainer's router (`server_states`): a turn on a server that dies is sent to another, a server the
+trainer takes back after a weight sync is routed to again, and when no server is left its
+`AllServersUnavailableError` stops the run.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from environments.routing import RoutedEnvironment, reset_arguments, resolve_env
 from harness.config import AsyncGRPOConfig
 from harness.generation.protocol import AllServersUnavailableError, GenerationError, SamplingConfig
 from harness.generation.router import GenerationRouter
+from harness.generation.server_states import ServerStates
 from harness.metrics import MetricsWindow
 from harness.packing import packed_token_count
 from harness.rollout.chat import ChatRenderer
@@ -102,9 +105,10 @@ class AsyncRolloutLoop:
     graceful stop, `held_event` is set while the allowance holds generation with no group in flight (the
     trainer then knows no more samples are coming and trains on what it has), `dataset_skip_positions`
     are prompts a resumed run had done already (past `dataset_start_index`), `client` may be given
-    (any harness.generation.protocol.SamplingServer; tests pass harness.testing.FakeGenerationServer), and
+    (any harness.generation.protocol.SamplingServer; tests pass harness.testing.FakeGenerationServer),
     `share` is set when this is one of several worker processes (prompts and allowance shared, see
-    harness/rollout/sharing.py).
+    harness/rollout/sharing.py), and `server_states` is the run's record of live servers, which the router
+    built here shares with the trainer's (harness/generation/server_states.py).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class AsyncRolloutLoop:
         held_event: multiprocessing.synchronize.Event | None = None,
         client: Any = None,
         share: WorkerShare | None = None,
+        server_states: ServerStates | None = None,
     ):
         self.config = config
         self.model_name = model_name
@@ -159,6 +164,7 @@ class AsyncRolloutLoop:
         self.held_event = held_event
         self.client = client
         self.share = share  # set when this is one of several worker processes (harness/rollout/sharing.py)
+        self.server_states = server_states
         self.sampling = SamplingConfig(
             max_tokens=config.max_completion_length,
             temperature=config.temperature,
@@ -298,6 +304,7 @@ class AsyncRolloutLoop:
                 GenerationRouter.from_urls(
                     config.vllm_server_base_url,
                     model=self.model_name,
+                    states=self.server_states,
                     timeout_s=config.vllm_server_timeout,
                     max_concurrency=config.max_concurrent_rollouts,
                 )

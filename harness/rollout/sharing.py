@@ -13,14 +13,17 @@ and connections to the generation servers, and all writing to the one queue the 
 - the token allowance: one TokenGate whose counts (groups in flight, tokens queued, the per-group estimate)
   live in shared memory, checked and updated under one lock, so N processes stay within the allowance
   exactly as one would, and staleness is unchanged (the policy version is one shared value);
-- the stop and failure channels and the policy version, as one worker has them.
+- the stop and failure channels and the policy version, as one worker has them;
+- which generation servers are live: one record for the run that the trainer's router holds too
+  (harness/generation/server_states.py), so a server dropped by any process is dropped for all.
 
 Metrics: each process sends its own windows, and the trainer's handle combines those drained together
 (`combine_windows`): events (turns, tool calls, failures, latencies) merge as one process's would; the
 levels each process samples of itself (rollouts in flight, its concurrency cap, its sandboxes) are summed
 over the processes, each process's mean first; what every process observes of the same servers and engines
 (the /metrics polls, servers and engines live or lost) is taken once, as the mean of the processes' values
-(a count as the largest), not added up N times.
+(a count as the largest), not added up N times. Server drops and re-admissions are counted in the shared
+record and each reported by one process only, so they add up as events do.
 
 max_concurrent_rollouts, sandbox_min_idle and sandbox_engine_max_sandboxes are totals: each process gets
 its share (rounded up). Group ids are kept distinct by striding (process k numbers its groups k, k + N, ...).
@@ -47,7 +50,6 @@ SHARED_OBSERVATIONS = frozenset(
         "rollout/vllm_preemption_count",
         "rollout/vllm_prefix_cache_hit_frac",
         "rollout/vllm_servers_live",
-        "rollout/vllm_server_dropped_count",
         "sandbox/engines_live",
         "sandbox/engine_lost_count",
     }

@@ -20,7 +20,9 @@ stop event or on SIGTERM); whatever a SIGKILL leaves, the sandbox reaper removes
 
 `num_processes=N` spawns N such processes behind the one handle: one queue of results, one allowance, the
 prompts claimed from a shared cursor (harness/rollout/sharing.py); `finished` once all ran out of prompts,
-`held` while all are held, and `check` names the process that failed.
+`held` while all are held, and `check` names the process that failed. `server_states`, the run's record of
+which generation servers are live (harness/generation/server_states.py, made by the trainer, whose router
+holds it too), goes to every process with its channels, and from there to its loop's router.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.generation.server_states import ServerStates
 from harness.rollout.sharing import WorkerShare, combine_windows
 from harness.types import GroupResult
 from sandboxes.owner import Owner, process_start_ticks, this_owner
@@ -119,9 +122,12 @@ class WorkerChannels:
     held_event: Any
     entered_event: Any  # set once worker_main runs: the child got past re-importing the training script
     share: WorkerShare | None = None  # with several worker processes: what they share, and which this is
+    server_states: ServerStates | None = None  # which generation servers are live, shared with the trainer
 
     @classmethod
-    def create(cls, context: Any, token_allowance: int) -> WorkerChannels:
+    def create(
+        cls, context: Any, token_allowance: int, server_states: ServerStates | None = None
+    ) -> WorkerChannels:
         return cls(
             rollout_buffer=context.Queue(),
             model_version_value=context.Value("q", 0),
@@ -133,12 +139,13 @@ class WorkerChannels:
             stop_event=context.Event(),
             held_event=context.Event(),
             entered_event=context.Event(),
+            server_states=server_states,
         )
 
     def for_process(self, context: Any, share: WorkerShare) -> WorkerChannels:
         """Another worker process's channels: the queue of results, the stop and failure events, the policy
-        version and the allowance shared; its own metrics queue (the handle combines the processes'
-        windows, harness/rollout/sharing.py) and heartbeat, held and entered flags."""
+        version, the allowance and the server states shared; its own metrics queue (the handle combines the
+        processes' windows, harness/rollout/sharing.py) and heartbeat, held and entered flags."""
         return dataclasses.replace(
             self,
             metrics_queue=context.Queue(),
@@ -172,6 +179,8 @@ def worker_main(payload_path: str, channels: WorkerChannels, log_level: int | No
 
     if channels.share is not None:
         loop_kwargs = {**loop_kwargs, "share": channels.share}
+    if channels.server_states is not None:
+        loop_kwargs = {**loop_kwargs, "server_states": channels.server_states}
     try:
         loop = loop_cls(
             **loop_kwargs,
@@ -240,6 +249,7 @@ class RolloutWorker:
         heartbeat_timeout_s: float = 300.0,
         initial_token_allowance: int = 1 << 40,
         num_processes: int = 1,
+        server_states: ServerStates | None = None,
     ):
         if num_processes < 1:
             raise ValueError(f"num_processes must be at least 1, got {num_processes}")
@@ -248,7 +258,7 @@ class RolloutWorker:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.num_processes = num_processes
         self._context = multiprocessing.get_context("spawn")
-        self.channels = WorkerChannels.create(self._context, initial_token_allowance)
+        self.channels = WorkerChannels.create(self._context, initial_token_allowance, server_states)
         self._process_channels = [self.channels]  # one per process (the first is `channels`)
         if num_processes > 1:
             share = WorkerShare.create(

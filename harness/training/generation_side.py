@@ -14,7 +14,8 @@ Three steps, in this order (`train()` enters them on an ExitStack, which stops t
                           builds and starts its part of the strategy
     start_rollout_worker  rank 0: the rollout worker process (harness/rollout/worker.py) running `loop_cls`
                           against the server, from the first prompt not yet trained on, at the current policy
-                          version and token allowance
+                          version and token allowance, its routers sharing the record of live servers
+                          (`ServerStates`) with the trainer's ClientThread
 
 Each takes what it needs as arguments; none keeps state of its own. Who talks to it: AsyncGRPOTrainer
 (harness/training/trainer.py), and tests that start one step alone.
@@ -36,6 +37,7 @@ import torch
 
 from harness.config import AsyncGRPOConfig
 from harness.generation.router import server_urls
+from harness.generation.server_states import ServerStates
 from harness.rollout.sharing import share_of
 from harness.rollout.worker import RolloutWorker
 from harness.training.processes import Processes
@@ -209,10 +211,11 @@ def start_rollout_worker(
     skip_positions: Sequence[int] = (),
     version: int,
     token_allowance: int,
+    server_states: ServerStates | None = None,
 ) -> RolloutWorker:
     """Rank 0: spawn the worker running `loop_cls(**loop_kwargs, ...)` against the servers at `base_urls`,
-    from prompt position `start_position` (skipping `skip_positions`, done already), at policy `version`.
-    The caller stops it."""
+    from prompt position `start_position` (skipping `skip_positions`, done already), at policy `version`,
+    sharing `server_states` (the trainer's router's) with it. The caller stops it."""
     worker_args = copy.copy(args)
     worker_args.vllm_server_base_url = list(base_urls)
     processes = args.num_rollout_workers
@@ -239,6 +242,7 @@ def start_rollout_worker(
         heartbeat_timeout_s=args.rollout_worker_timeout,
         initial_token_allowance=token_allowance,
         num_processes=processes,
+        server_states=server_states,
     )
     worker.start()
     worker.set_model_version(version)

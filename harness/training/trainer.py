@@ -14,7 +14,8 @@ What `train()` does, in order (the step itself is `_train_step` with `_train_on_
         plan the rows (harness/packing.py), forward each row with tree attention, take the loss on the
             trained tokens (harness/training/loss.py), backward; one optimizer step
         every weight_sync_steps: push the policy to the server (harness/weight_sync/: a LoRA adapter, or
-            merged weights through a file or a broadcast), bump the policy version
+            merged weights through a file or a broadcast; a dropped server that answers again takes it
+            too, and only then is routed to again), bump the policy version
         raise the worker's token allowance; log; checkpoint (harness/training/checkpointing.py)
     stop the worker (its environments and sandboxes close), then the server
 
@@ -51,6 +52,8 @@ from transformers.trainer_utils import TrainOutput
 from environments.routing import check_routes, resolve_environments
 from harness.config import AsyncGRPOConfig
 from harness.generation.client_thread import ClientThread
+from harness.generation.router import server_urls
+from harness.generation.server_states import ServerStates
 from harness.metrics import MetricsWindow
 from harness.model_loading import freeze_outside_text_model, load_model, outside_text_modules
 from harness.packing import batch_metrics, pack_row, pair_weight_for_config, plan_micro_batches
@@ -184,9 +187,12 @@ class AsyncGRPOTrainer(Trainer):
                     current_weights=bool(self.state.global_step or counters.model_version),
                 )
             )
-            client = None
-            if processes.is_main:
-                client = stack.enter_context(ClientThread(base_urls, args.vllm_server_timeout))
+            client = server_states = None
+            if processes.is_main:  # one record of live servers for its router and the workers'
+                server_states = ServerStates.shared(server_urls(base_urls))
+                client = stack.enter_context(
+                    ClientThread(base_urls, args.vllm_server_timeout, server_states=server_states)
+                )
                 self._token_budget = args.token_budget or client.max_model_len()
             self._client = client
             self._token_budget = processes.broadcast(self._token_budget)
@@ -209,6 +215,7 @@ class AsyncGRPOTrainer(Trainer):
                     skip_positions=counters.done_positions,
                     version=counters.model_version,
                     token_allowance=self._token_allowance(),
+                    server_states=server_states,
                 )
                 stack.callback(self.worker.stop)
                 if args.save_rollouts:

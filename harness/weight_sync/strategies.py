@@ -5,7 +5,10 @@
     metrics = sync.sync(model, version)  # each sync: {"perf/weight_sync_s": ..., ...}
     sync.close()                         # or: with build_weight_sync(...) as sync: ...
 
-`server`: rank 0's `harness.generation.client_thread.ClientThread` (None on the other ranks).
+`server`: rank 0's `harness.generation.client_thread.ClientThread` (None on the other ranks). Each sync runs
+inside its `readmitting()`: a generation server dropped earlier that answers /health again takes the sync
+with the others (every merged weight, or the adapters), and only then is routed to again
+(harness/generation/router.py, "Re-admission").
 
 * `AdapterWeightSync` (a PEFT LoRA policy and a server that takes runtime adapters): each version's
   adapter is saved to `<output_dir>/.vllm_lora/<prefix>-v<version>/` (a temp dir, then a rename), loaded
@@ -75,10 +78,12 @@ class WeightSync(abc.ABC):
         """Before the first rollout: make `version` (the starting policy) servable."""
 
     def sync(self, model: Any, version: int) -> dict[str, float]:
-        """Make the model servable as `version`; the perf/weight_sync_* timings."""
+        """Make the model servable as `version`, on the servers that answer again too; the
+        perf/weight_sync_* timings."""
         started = time.monotonic()
         timings = {"perf/weight_sync_barrier_s": self._barrier()} if self.world_size > 1 else {}
-        timings.update(self._sync(model, version))
+        with self.server.readmitting() if self.server is not None else contextlib.nullcontext():
+            timings.update(self._sync(model, version))
         timings["perf/weight_sync_s"] = time.monotonic() - started
         return timings
 
