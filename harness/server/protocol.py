@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -202,10 +203,20 @@ def _prompt_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase | None, vocab_si
     return list(prompt)
 
 
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
 def _token_text(token_id: int, as_token_ids: bool, tokenizer: PreTrainedTokenizerBase | None) -> str:
     if as_token_ids or tokenizer is None:
         return f"token_id:{token_id}"
-    return tokenizer.decode([token_id])
+    # Each token's text is decoded once per tokenizer: responses are built on the server's event loop, which
+    # shares the process with the engine, and a 128-token completion with top-1 log-probs names ~3 tokens
+    # per position.
+    texts = _TOKEN_TEXTS.setdefault(tokenizer, {})
+    text = texts.get(token_id)
+    if text is None:
+        text = texts[token_id] = tokenizer.decode([token_id])
+    return text
 
 
 def completion_response(

@@ -1,0 +1,149 @@
+"""The built-in server's engine alone (no HTTP): generated tokens/s and the time of each part of a step.
+
+    python benchmarks/bench_engine.py                       # a GPU: random Qwen3-0.6B shape, bf16
+    python benchmarks/bench_engine.py --eager               # the same with --enforce-eager's engine
+    python benchmarks/bench_engine.py --device cpu --preset tiny --concurrency 8 --max-tokens 16  # smoke
+
+Requests are submitted in-process, all C of a wave at once (each ~`--prompt-len` random tokens, exactly
+`--max-tokens` new ones, temperature 1, logprobs=1), three waves per concurrency; the first includes the
+CUDA graph captures. Each of the engine's step parts is timed with a device synchronisation around it
+(which the engine itself does not do, so the parts cost a little more here than in a server): `_step` (a
+whole scheduling step), `_prefill` and `_decode` (each including its sampling), `_sample`, and the graphs'
+own `prefill` and `decode` (their replay, inputs copied in). Printed per wave: tokens/s and (calls, mean
+ms, total s) per part. What it shows beside benchmarks/bench_serving.py: the engine's own ceiling, which
+the HTTP process then shares its CPU with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.server.engine import Engine
+from harness.server.sampling import SamplingParams
+from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
+
+
+def build_model(preset: str, device: str) -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = QWEN3_SHAPES[preset] if preset != "tiny" else dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=QWEN_VOCAB_SIZE, **shape, max_position_embeddings=4096, tie_word_embeddings=True
+    )
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    with torch.device(device):
+        return Qwen3ForCausalLM(config).to(dtype).eval()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(obj: Any, name: str, timers: dict[str, list[float]], device: torch.device) -> None:
+    """Replace obj.name with a wrapper that records each call's time (device synchronised) in timers."""
+    function = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        synchronize(device)
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        synchronize(device)
+        timers[name].append(time.perf_counter() - start)
+        return result
+
+    setattr(obj, name, wrapper)
+
+
+def run_wave(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
+    """Submit every prompt at once and wait for all; the seconds it took."""
+    done = threading.Event()
+    finished: list[Any] = []
+
+    def on_done(result: Any) -> None:
+        finished.append(result)
+        if len(finished) == len(prompts):
+            done.set()
+
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=1.0, seed=index, num_logprobs=1, ignore_eos=True
+        )
+        engine.submit(prompt, params, on_done)
+    assert done.wait(600), "the wave did not finish in 600 s"
+    return time.perf_counter() - start
+
+
+def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
+    engine = Engine(
+        model,
+        max_model_len=4096,
+        eos_token_ids=[],
+        max_num_seqs=256,
+        kv_cache_tokens=256 * 1024,
+        enforce_eager=args.eager,
+    )
+    timers: dict[str, list[float]] = collections.defaultdict(list)
+    for name in ("_prefill", "_decode", "_sample", "_step"):
+        timed(engine, name, timers, model.device)
+    if engine.graphs is not None:
+        for name in ("decode", "prefill"):
+            timed(engine.graphs, name, timers, model.device)
+    engine.start()
+    rng = random.Random(0)
+    try:
+        for wave in range(3):
+            for values in timers.values():
+                values.clear()
+            prompts = [[rng.randint(10, 30000) for _ in range(args.prompt_len)] for _ in range(concurrency)]
+            seconds = run_wave(engine, prompts, args.max_tokens)
+            parts = {
+                k: (len(v), round(1000 * sum(v) / max(1, len(v)), 2), round(sum(v), 2))
+                for k, v in timers.items()
+            }
+            print(
+                f"eager={args.eager} C={concurrency} wave {wave}: "
+                f"{concurrency * args.max_tokens / seconds:.0f} tok/s, {seconds:.2f} s; "
+                f"(calls, mean ms, total s): {parts}",
+                flush=True,
+            )
+        if engine.graphs is not None:
+            print(f"graphs: {engine.graphs.num_captures} captured, forwards {engine.graphs.num_forwards}")
+    finally:
+        engine.close()
+        model.set_attn_implementation("sdpa")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b, ... or tiny")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--eager", action="store_true", help="the engine with enforce_eager")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    model = build_model(args.preset, args.device)
+    for concurrency in args.concurrency:
+        run(model, args, concurrency)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
