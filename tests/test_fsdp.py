@@ -3,9 +3,9 @@
 The trainer's real step runs in both set-ups on the same fixed samples (no rollout worker, no generation
 server): rank 0 plans the rows and broadcasts them (`_plan_step` and `_broadcast` inside `_train_step`), each
 rank forwards its row through the FSDP2-sharded tiny Qwen3 (harness/training/fsdp.py), the gradients are
-reduced by FSDP2, the optimizer steps, and the weight sync gathers the full parameters one at a time for rank
-0 to write into the transfer file a fake server reads. Two steps (the second with its gradient norm clipped):
-the loss, the updated weights and the gathered weights must equal one process's. Variants: tied
+reduced by FSDP2, the optimizer steps, and the weight sync gathers the full parameters in buckets to rank 0,
+which writes them into the transfer file a fake server reads. Two steps (the second with its gradient norm
+clipped): the loss, the updated weights and the gathered weights must equal one process's. Variants: tied
 embeddings with gradient checkpointing, LoRA (merged sync), bf16 mixed precision, a checkpoint saved and
 resumed under FSDP2, and two GPUs over NCCL (marked gpu).
 
@@ -184,9 +184,11 @@ def run_steps(trainer: Any, clipping: tuple[float, ...] = (NO_CLIPPING, CLIP_NOR
 
 
 def full_parameters(model: Any) -> dict[str, torch.Tensor]:
+    """The merged weights, on every rank (under FSDP2 all-gathered in buckets)."""
     from harness.weight_sync.peft import merged_named_parameters
 
-    return {name: tensor.detach().cpu().clone() for name, tensor in merged_named_parameters(model)}
+    weights = merged_named_parameters(model, all_ranks=True)
+    return {name: tensor.detach().cpu().clone() for name, tensor in weights}
 
 
 # --- one rank of the two-process run ---------------------------------------------------------------------
