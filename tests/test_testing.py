@@ -577,6 +577,8 @@ def test_run_ranks_runs_every_rank_and_names_the_one_that_failed(tmp_path) -> No
     assert [argv[:2] for argv in arguments] == [["0", "3"], ["1", "3"], ["2", "3"]]
     assert len({argv[2] for argv in arguments}) == 1  # one port for all
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)rank 1 failed \(exit 3\).*rank 1 gives up"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)rank 1 failed \(rank 0: killed.*rank 1: exit 3\).*rank 1 gives up"
+    ):
         run_ranks(command, tmp_path, world_size=2, extra_args=[str(tmp_path), "fail"], timeout_s=60)
     assert time.monotonic() - started < 30  # rank 0 was killed, not waited for

@@ -5,8 +5,9 @@
     # itself (gloo on 127.0.0.1:PORT) and writes what it found under `out_dir`
 
 Each rank's output goes to `out_dir/rank{N}.log`; the ranks see this checkout first on PYTHONPATH, one
-thread each (OMP_NUM_THREADS=1) and gloo on the loopback interface. A rank still running at the deadline is
-killed, as are the others once one fails; RuntimeError names the rank, its exit status and its log's tail.
+thread each (OMP_NUM_THREADS=1), gloo on the loopback interface and Python's faulthandler. A rank still
+running at the deadline is killed, as are the others once one fails; RuntimeError names the rank that failed
+first, every rank's exit status and the failed rank's log tail.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def run_ranks(
     environment = {**os.environ, **(env or {})}
     environment["PYTHONPATH"] = f"{REPO}{os.pathsep}{environment.get('PYTHONPATH', '')}"
     environment.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    environment.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (an abort in a C++ library) prints its Python stacks
+    environment.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
     processes, logs = [], []
     try:
         for rank in range(world_size):
@@ -62,14 +64,15 @@ def run_ranks(
             log.seek(0)
             outputs.append(log.read())
             log.close()
+    statuses = [
+        f"killed: past {timeout_s:.0f} s, or another rank failed" if kill else f"exit {process.returncode}"
+        for process, kill in zip(processes, killed, strict=True)
+    ]
     # a rank that failed on its own first: the ones killed were waiting for it (or all ran out of time)
     for rank in sorted(range(len(processes)), key=lambda rank: killed[rank]):
-        status = processes[rank].returncode
-        if status != 0:
-            why = f"exit {status}"
-            if killed[rank]:
-                why = f"killed: past {timeout_s:.0f} s, or another rank failed"
-            raise RuntimeError(f"rank {rank} failed ({why}):\n{outputs[rank][-6000:]}")
+        if processes[rank].returncode != 0:
+            every = ", ".join(f"rank {other}: {status}" for other, status in enumerate(statuses))
+            raise RuntimeError(f"rank {rank} failed ({every}); its output:\n{outputs[rank][-6000:]}")
 
 
 __all__ = ["run_ranks"]
