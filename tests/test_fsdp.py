@@ -3,9 +3,9 @@
 The trainer's real step runs in both set-ups on the same fixed samples (no rollout worker, no generation
 server): rank 0 plans the rows and broadcasts them (`_plan_step` and `_broadcast` inside `_train_step`), each
 rank forwards its row through the FSDP2-sharded tiny Qwen3 (harness/training/fsdp.py), the gradients are
-reduced by FSDP2, the optimizer steps, and the weight sync gathers the full parameters one at a time for rank
-0 to write into the transfer file a fake server reads. Two steps (the second with its gradient norm clipped):
-the loss, the updated weights and the gathered weights must equal one process's. Variants: tied
+reduced by FSDP2, the optimizer steps, and the weight sync gathers the full parameters in buckets to rank 0,
+which writes them into the transfer file a fake server reads. Two steps (the second with its gradient norm
+clipped): the loss, the updated weights and the gathered weights must equal one process's. Variants: tied
 embeddings with gradient checkpointing, LoRA (merged sync), bf16 mixed precision, a checkpoint saved and
 resumed under FSDP2, and two GPUs over NCCL (marked gpu).
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 LEARNING_RATE = 0.5  # SGD: the update is linear in the gradients, so a wrongly scaled gradient shows
 NO_CLIPPING = 1e6  # the norm is still computed (over sharded gradients) but never rescales
 CLIP_NORM = 0.02  # well below the step's gradient norm: the second step is clipped
@@ -186,9 +184,11 @@ def run_steps(trainer: Any, clipping: tuple[float, ...] = (NO_CLIPPING, CLIP_NOR
 
 
 def full_parameters(model: Any) -> dict[str, torch.Tensor]:
+    """The merged weights, on every rank (under FSDP2 all-gathered in buckets)."""
     from harness.weight_sync.peft import merged_named_parameters
 
-    return {name: tensor.detach().cpu().clone() for name, tensor in merged_named_parameters(model)}
+    weights = merged_named_parameters(model, all_ranks=True)
+    return {name: tensor.detach().cpu().clone() for name, tensor in weights}
 
 
 # --- one rank of the two-process run ---------------------------------------------------------------------
@@ -272,36 +272,9 @@ def rank_steps(
 
 def launch(tmp_path: Path, mode: str, world: int = 2) -> list[dict[str, Any]]:
     """Run `world` ranks of `rank_main` as subprocesses (gloo on CPU, NCCL on GPUs); their results."""
-    from harness.testing.servers import free_port
+    from harness.testing.ranks import run_ranks
 
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    processes, logs = [], []
-    for rank in range(world):
-        log = open(tmp_path / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
-        logs.append(log)
-        command = [sys.executable, __file__, str(rank), str(world), str(port), str(tmp_path), mode]
-        processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
-    deadline = time.monotonic() + 300
-    try:
-        for process in processes:
-            process.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
-    for rank, process in enumerate(processes):
-        assert process.returncode == 0, f"rank {rank} failed ({process.returncode}):\n{outputs[rank][-6000:]}"
+    run_ranks([sys.executable, __file__], tmp_path, world_size=world, extra_args=[str(tmp_path), mode])
     results = []
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as handle:

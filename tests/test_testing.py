@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 import unicodedata
 from collections.abc import Callable
 from pathlib import Path
@@ -547,3 +548,37 @@ def test_qwen_tokenizer_cold_build_writes_cache(qwen_tokenizer, tmp_path) -> Non
     assert cached[0].suffix == ".json"
     text = _oracle_strings(1, seed=7)[0] + QWEN_CHATML_SYSTEM
     assert fresh.encode(text) == qwen_tokenizer.encode(text)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Ranks
+# ----------------------------------------------------------------------------------------------------------
+
+# Each rank writes its argv; rank 1 fails, rank 0 would wait for it forever (as in a collective).
+RANK_SCRIPT = """
+import sys, time
+from pathlib import Path
+rank, world, port, out_dir = sys.argv[1:5]
+Path(out_dir, f"argv{rank}").write_text(" ".join(sys.argv[1:4]))
+if sys.argv[5:] == ["fail"]:
+    if rank == "1":
+        print("rank 1 gives up")
+        sys.exit(3)
+    time.sleep(600)
+"""
+
+
+def test_run_ranks_runs_every_rank_and_names_the_one_that_failed(tmp_path) -> None:
+    from harness.testing import run_ranks
+
+    command = [sys.executable, "-c", RANK_SCRIPT]
+    run_ranks(command, tmp_path, world_size=3, extra_args=[str(tmp_path)])
+    arguments = [(tmp_path / f"argv{rank}").read_text().split() for rank in range(3)]
+    assert [argv[:2] for argv in arguments] == [["0", "3"], ["1", "3"], ["2", "3"]]
+    assert len({argv[2] for argv in arguments}) == 1  # one port for all
+    started = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=r"(?s)rank 1 failed \(rank 0: killed.*rank 1: exit 3\).*rank 1 gives up"
+    ):
+        run_ranks(command, tmp_path, world_size=2, extra_args=[str(tmp_path), "fail"], timeout_s=60)
+    assert time.monotonic() - started < 30  # rank 0 was killed, not waited for

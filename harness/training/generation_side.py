@@ -130,7 +130,8 @@ def _on_cpu(model: Any) -> bool:
 @contextlib.contextmanager
 def saved_model_for_server(model: Any, tokenizer: Any, processes: Processes) -> Iterator[str]:
     """The current weights (LoRA merged in) in a temporary folder on rank 0 for a built-in server to load;
-    "" on the other processes. A collective under FSDP2: every process gathers each parameter in turn."""
+    "" on the other processes. A collective under FSDP2: every process joins the gather of each bucket of
+    weights, which rank 0 receives."""
     from harness.weight_sync.peft import merged_named_parameters
 
     directory = tempfile.mkdtemp(prefix="agent-harness-model-") if processes.is_main else ""

@@ -8,6 +8,7 @@
                     torch.distributed broadcast group
     vllm_nccl.py    vLLM's NCCL weight-transfer group and request bodies
     peft.py         a PEFT model's weights as the server loads them (LoRA merged in, base names)
+    gather.py       under FSDP2, those weights gathered to rank 0 in buckets (one collective per bucket)
 
 Who talks to it: harness/training/ opens a strategy at start and calls sync() every weight_sync_steps;
 the strategies drive the server through harness/generation/; the built-in server (harness/server/) reads

@@ -4,14 +4,23 @@ A server loads the base checkpoint's parameter names. For a plain model those ar
 `named_parameters()`. For a PEFT model the adapter is merged on the fly: each LoRA-wrapped linear layer
 yields `W + scaling * B @ A` under the base layer's name, computed for that layer only, so the whole
 model never exists twice in memory. Adapter-only parameters and PEFT's name prefixes are not sent.
+
+Under FSDP2 the parameters are gathered in buckets to rank 0 (harness/weight_sync/gather.py), a layer's
+base weight with its LoRA factors, and rank 0 merges them with PEFT's own `get_delta_weight` on the full
+tensors, as one process does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from harness.weight_sync.gather import DEFAULT_GATHER_BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from harness.weight_sync.gather import GatherItem
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -33,16 +42,26 @@ def served_parameters(model: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
 
 
 @torch.no_grad()
-def merged_named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """`served_parameters` as full tensors, one at a time, LoRA deltas merged in."""
-    lora_layers = {}
-    if hasattr(model, "peft_config"):
-        lora_layers = {
-            id(module.base_layer.weight): module
-            for module in model.modules()
-            if hasattr(module, "lora_A") and hasattr(module, "base_layer") and not module.merged
-        }
-    for name, parameter in served_parameters(model):
+def merged_named_parameters(
+    model: Any, *, bucket_size_bytes: int | None = DEFAULT_GATHER_BUCKET_BYTES, all_ranks: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`served_parameters` as full tensors, in order, LoRA deltas merged in.
+
+    One process: each parameter as it is (merged where LoRA wraps it), one at a time. Under FSDP2 a
+    collective that every process iterates to the end: the tensors are gathered in buckets of
+    `bucket_size_bytes` to rank 0, which alone gets them (with `all_ranks`, every process gets them).
+    `bucket_size_bytes=None` gathers each parameter on its own on every process (`DTensor.full_tensor()`,
+    one collective per parameter, and more per LoRA layer).
+    """
+    lora_layers = _lora_layers(model)
+    served = list(served_parameters(model))
+    if bucket_size_bytes is not None and any(_is_sharded(parameter) for _, parameter in served):
+        from harness.weight_sync.gather import gather_in_buckets
+
+        items = [_gather_item(name, parameter, lora_layers.get(id(parameter))) for name, parameter in served]
+        yield from gather_in_buckets(items, bucket_size_bytes, all_ranks=all_ranks)
+        return
+    for name, parameter in served:
         tensor = _full(parameter.detach())
         layer = lora_layers.get(id(parameter))
         if layer is not None and layer.active_adapters:
@@ -51,6 +70,65 @@ def merged_named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             delta = _full(layer.get_delta_weight(layer.active_adapters[0]))
             tensor = tensor + delta.to(tensor.dtype)
         yield name, tensor
+
+
+def _lora_layers(model: Any) -> dict[int, Any]:
+    """The unmerged LoRA layers of a PEFT model, by the id of their base weight; {} for a plain model."""
+    if not hasattr(model, "peft_config"):
+        return {}
+    return {
+        id(module.base_layer.weight): module
+        for module in model.modules()
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer") and not module.merged
+    }
+
+
+def _gather_item(name: str, parameter: torch.nn.Parameter, layer: Any) -> GatherItem:
+    """A served parameter for the bucketed gather: with its LoRA layer's factors of the active adapter, which
+    rank 0 merges into it once all are full."""
+    from harness.weight_sync.gather import GatherItem
+
+    if layer is None or not layer.active_adapters:
+        return GatherItem(name, (parameter.detach(),))
+    adapter = layer.active_adapters[0]
+    factors = {
+        key: factor.detach()
+        for key, factor in layer.named_parameters()
+        if not key.startswith("base_layer.") and adapter in key.split(".")
+    }
+    keys = list(factors)
+
+    def merge(full: list[torch.Tensor]) -> torch.Tensor:
+        tensor, *full_factors = full
+        delta = _delta_weight(layer, adapter, dict(zip(keys, full_factors, strict=True)))
+        return tensor + delta.to(tensor.dtype)
+
+    return GatherItem(name, (parameter.detach(), *factors.values()), merge)
+
+
+def _delta_weight(layer: Any, adapter: str, factors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """PEFT's `layer.get_delta_weight(adapter)` computed from these full factors (by the layer's parameter
+    names) in place of the layer's own (sharded) ones, which are swapped back afterwards."""
+    from torch.func import functional_call
+
+    return functional_call(
+        _DeltaWeight(layer), {f"layer.{key}": factor for key, factor in factors.items()}, (adapter,)
+    )
+
+
+class _DeltaWeight(torch.nn.Module):
+    """Calls the layer's `get_delta_weight` as a forward, so `functional_call` can swap its parameters."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, adapter: str) -> torch.Tensor:
+        return self.layer.get_delta_weight(adapter)
+
+
+def _is_sharded(parameter: torch.Tensor) -> bool:
+    return hasattr(parameter, "full_tensor")
 
 
 def _checkpoint_name(name: str) -> str:

@@ -19,8 +19,9 @@ with the others (every merged weight, or the adapters), and only then is routed 
 * `MergedWeightSync` with a transport (harness/weight_sync/transports.py: a shared-memory file, or a
   broadcast group). Every sync: /pause?mode=keep -> transfer -> /resume, resumed (and finished)
   best-effort after a failure too. LoRA is merged in one layer at a time and the parameters stream one at
-  a time (`harness.weight_sync.peft.merged_named_parameters`; under FSDP2 each is all-gathered by every
-  process in the same order, rank 0 sends): the whole model never exists twice.
+  a time (`harness.weight_sync.peft.merged_named_parameters`): the whole model never exists twice. Under
+  FSDP2 every process joins the gather, bucket by bucket (one collective per `gather_bucket_bytes` of
+  weights, harness/weight_sync/gather.py), and rank 0, which alone receives the full tensors, sends.
 
 Metrics: perf/weight_sync_s, split into perf/weight_sync_barrier_s (waiting for the other processes; only
 with several), perf/weight_sync_pause_s (waiting for the server to pause; merged only) and
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from harness.generation.protocol import ServerRequestError
+from harness.weight_sync.gather import DEFAULT_GATHER_BUCKET_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -115,18 +117,23 @@ class MergedWeightSync(WeightSync):
         self,
         transfer: FileTransfer | IpcTransfer | BroadcastTransfer,
         server: ClientThread | None,
+        *,
+        gather_bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES,
         **kwargs: Any,
     ) -> None:
+        """`gather_bucket_bytes`: under FSDP2, the bytes of weights gathered to rank 0 per collective; the
+        default (256 MiB) is below the IPC and broadcast transports' own buffers (2 and 1 GiB)."""
         super().__init__(server, **kwargs)
         self.transfer = transfer
         self.kind = f"merged-{transfer.kind}"
+        self.gather_bucket_bytes = gather_bucket_bytes
 
     def _sync(self, model: Any, version: int) -> dict[str, float]:
         from harness.weight_sync.peft import merged_named_parameters
 
-        weights = merged_named_parameters(model)
+        weights = merged_named_parameters(model, bucket_size_bytes=self.gather_bucket_bytes)
         if not self.is_main:
-            # FSDP2: every process joins each parameter's all-gather, in the same order; rank 0 sends
+            # FSDP2: every process joins each bucket's gather, in the same order; rank 0 receives and sends
             started = time.monotonic()
             _drain(weights)
             return {"perf/weight_sync_transfer_s": time.monotonic() - started}

@@ -153,7 +153,8 @@ class BroadcastTransfer:
     carry only the keys vLLM accepts. Either way `connect` runs the trainer's rendezvous and
     /init_weight_transfer_engine at the same time, as each waits for the other. Per sync: the manifest is
     derived from the parameters' metadata (no tensor gathered), /update_weights carries it on the client's
-    loop thread while this thread gathers the tensors one by one and hands each closed bucket to a sender
+    loop thread while this thread takes the tensors from the stream one by one (under FSDP2 rank 0 receives
+    them gathered in buckets, harness/weight_sync/gather.py) and hands each closed bucket to a sender
     thread (the collective has no timeout; the HTTP call has one and returns the server's error). At most two
     buckets are held: the one being sent and the one being filled. Calling `send` per bucket broadcasts
     exactly what one `send` of all the tensors would: a bucket's own bucket plan is that one bucket.

@@ -150,8 +150,8 @@ def default_weights_dir() -> Path:
 def write_weights_file(named_tensors: Iterable[tuple[str, torch.Tensor]], path: str | Path) -> WeightManifest:
     """Write the tensors into `path` in the file layout as they come; the manifest of what was written.
 
-    Any device: each tensor is copied to the CPU on its own, so a generator of FSDP2 gathers stays one
-    parameter deep.
+    Any device: each tensor is copied to the CPU on its own, so a stream of FSDP2 gathers holds no more
+    than its gathered buckets.
     """
     import torch
 
