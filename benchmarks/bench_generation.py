@@ -19,8 +19,8 @@ cache off, on the same prompts.
 
 Prints a markdown table; --out also writes the numbers as JSON.
 
-Measured (generated tokens/s; 2 waves of C requests per level, 64 new tokens after ~32-token prompts on
-CPU, 128 after ~128 on GPU; sampling at temperature 1, the server also returning log-probs):
+Measured (generated tokens/s; 2 waves of C requests per level, 64 new tokens after ~32-token prompts;
+sampling at temperature 1, the server also returning log-probs):
 
     CPU, 2 cores shared with other work (torch 2.13, transformers 5.24), float32
     | model   | C  | server | model.generate | server / generate |
@@ -31,22 +31,11 @@ CPU, 128 after ~128 on GPU; sampling at temperature 1, the server also returning
     | smollm2 |  8 |     76 |             22 | 3.48 |
     | smollm2 | 64 |    150 |             62 | 2.43 |
 
-    one H200 (torch 2.11, transformers 5.17), random Qwen3-0.6B shape, bfloat16
-    | qwen3-0.6b-random |  1 |  13 |  18 | 0.72 |
-    | qwen3-0.6b-random |  8 | 103 | 100 | 1.03 |
-    | qwen3-0.6b-random | 64 | 907 | 922 | 0.98 |
-
-Prefix cache on one H200 (random Qwen3-0.6B, bf16, 64 concurrent, 128 new tokens; three alternating runs
-of each through `bench_server`, tokens/s): groups of 8 sharing a 1024-token prompt (`--group-size 8
---prompt-len 1024`; 88% of prompt tokens from the cache) 621 / 601 / 533 with it, 592 / 570 / 529 without;
-distinct 128-token prompts 725 / 736 / 685 with it, 766 / 787 / 842 without. The launch-bound decode
-step dominates there, so prefill saved is little and the cache's bookkeeping shows; on 2 CPU cores, where
-compute is the cost, it took the demo's held-out evaluation from 72 s to 51 s.
-
 With the tiny model a step costs well under a millisecond of arithmetic, so per-request HTTP and JSON work
 in this one process (server and client share its GIL) dominates; the engine alone decodes 8 tiny requests
-at about 4300 tokens/s. On the H200 both sides are bound by launching the eager model's kernels one by one
-(about 75 ms per step at any batch size up to 64), so they scale alike.
+at about 4300 tokens/s. On a GPU, where the server replays its steps from CUDA graphs, this in-process
+setup measures the shared GIL more than the server: benchmarks/bench_serving.py runs the server (and vLLM)
+in processes of their own under several client processes, and benchmarks/bench_engine.py the engine alone.
 """
 
 from __future__ import annotations
