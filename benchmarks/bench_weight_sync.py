@@ -22,7 +22,8 @@ Each rank builds the same random bf16 Qwen3 of the chosen shape, upcasts it to f
 the trainer does under bf16 mixed precision, and rank 0 first reads it unsharded (one process: the
 reference); then it is sharded with FSDP2 (harness/training/fsdp.py) and read by
 `merged_named_parameters` one parameter at a time (`DTensor.full_tensor()` on every rank) and in buckets
-(gathered to rank 0, and all-gathered). Each way is timed twice over: reading the tensors alone ("gather"),
+(gathered to rank 0, and all-gathered; and to rank 0 cast to bf16 first, as a sync to a bf16 server sends
+them, beside one process casting them). Each way is timed twice over: reading the tensors alone ("gather"),
 and writing them into a shared-memory file as FileTransfer does ("file", rank 0 writes, the others gather).
 Printed per way: rank 0's median over `--repeats` runs after one warm-up, the collectives one run issues,
 and each rank's peak memory growth during the runs (CPU: the peak resident size, reset before each way
@@ -32,7 +33,8 @@ collectives one at a time) at a quarter of its width and a 32,768-token vocabula
 
 Figures on a 2-core CPU machine shared with other work (so only the ratios between the ways mean much):
 benchmarks/results/bench_weight_sync_2core_gather_{256,16}mib.json (`--bucket-mib 256` and `16`,
-`--repeats 5`). Not run on two GPUs: no two-GPU machine was lent when this mode was written, so its NCCL
+`--repeats 5`; before the bf16 ways existed) and bench_weight_sync_2core_gather_bf16.json (`--repeats 3`).
+Not run on two GPUs: no two-GPU machine was lent when this mode was written, so its NCCL
 path has never run and no GPU figures exist.
 """
 
@@ -213,12 +215,14 @@ def gather_main(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({"settings": settings, **results}, indent=2))
 
 
-WAYS = {  # the keyword arguments of merged_named_parameters on the sharded model
+WAYS: dict[str, dict[str, Any]] = {  # the keyword arguments of merged_named_parameters on the sharded model
     "FSDP2 one at a time": {"bucket_size_bytes": None},
     "FSDP2 buckets, gather to rank 0": {},
     "FSDP2 buckets, all-gather": {"all_ranks": True},
+    "FSDP2 buckets to rank 0, as bf16": {"dtype": torch.bfloat16},  # a bf16 server's weight sync
 }
 REFERENCE = "one process (reference)"
+REFERENCE_BF16 = "one process, as bf16"
 
 
 def gather_rank(rank: int, world: int, port: int, out_dir: str, settings: dict[str, Any]) -> None:
@@ -254,6 +258,11 @@ def gather_rank(rank: int, world: int, port: int, out_dir: str, settings: dict[s
             reference = {name: tensor.to("cpu", copy=True) for name, tensor in _weights(model, {})}
             ways[REFERENCE] = _time_way(model, {}, rank=rank, repeats=settings["repeats"], sharded=False)
             ways[REFERENCE]["collectives"] = 0
+            bf16 = {"dtype": torch.bfloat16}
+            ways[REFERENCE_BF16] = _time_way(
+                model, bf16, rank=rank, repeats=settings["repeats"], sharded=False
+            )
+            ways[REFERENCE_BF16]["collectives"] = 0
         dist.barrier()
         shard_model(model, mp_policy=policy, mesh=init_device_mesh(device.type, (world,)))
         for way, kwargs in WAYS.items():
@@ -283,9 +292,12 @@ def _weights(model: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def _check(model: Any, kwargs: dict[str, Any], rank: int, reference: dict[str, torch.Tensor]) -> int:
-    """The warm-up: rank 0's tensors must be bit-identical to one process's; the collectives it issued."""
+    """The warm-up: rank 0's tensors must be bit-identical to one process's (cast as the way casts them);
+    the collectives it issued."""
     from harness.testing.collectives import CollectiveCounter
 
+    if kwargs.get("dtype") is not None:
+        reference = {name: tensor.to(kwargs["dtype"]) for name, tensor in reference.items()}
     with CollectiveCounter() as counter:
         got = {name: tensor.to("cpu", copy=True) for name, tensor in _weights(model, kwargs) if rank == 0}
     if rank == 0:

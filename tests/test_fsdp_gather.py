@@ -113,6 +113,8 @@ def rank_results(kind: str) -> dict[str, Any]:
     model, policy = build(kind)
     use_float32_master_weights(model, policy)  # the dtypes the sharded model will have
     one_process = {name: tensor.clone() for name, tensor in merged_named_parameters(model)}
+    bf16 = torch.bfloat16
+    one_process_bf16 = {name: t.clone() for name, t in merged_named_parameters(model, dtype=bf16)}
     shard_model(model, mp_policy=policy, mesh=init_device_mesh("cpu", (2,)))
     served = list(served_parameters(model))
     assert all(isinstance(parameter, DTensor) for parameter in model.parameters())
@@ -130,6 +132,8 @@ def rank_results(kind: str) -> dict[str, Any]:
         "bucket_sizes": bucket_sizes,
         "one_at_a_time": gathered(model, bucket_size_bytes=None),
         "all_ranks": gathered(model, bucket_size_bytes=bucket_sizes["several"], all_ranks=True),
+        "one_process_bf16": one_process_bf16,
+        "bf16": gathered(model, bucket_size_bytes=bucket_sizes["several"], dtype=bf16),
     }
     for label, size in bucket_sizes.items():
         results[label] = gathered(model, bucket_size_bytes=size)
@@ -264,6 +268,22 @@ def test_all_ranks_gives_every_process_the_same_tensors(ranks, kind):
     for rank in ranks:
         assert_bit_identical(rank[kind]["all_ranks"][0], rank[kind]["one_process"])
     assert all(name == "c10d._allgather_base_.default" for name in ranks[1][kind]["all_ranks"][2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", MODELS)
+def test_weights_cast_to_the_servers_dtype_before_the_gather_arrive_as_one_process_casts_them(ranks, kind):
+    """A bf16 server: each float32 shard is cast before it is packed (LoRA layers merged in float32 first,
+    then cast), so rank 0 gets exactly what one process casts, in about half the bytes (fewer buckets)."""
+    rank0, rank1 = ranks[0][kind], ranks[1][kind]
+    tensors, order, collectives = rank0["bf16"]
+    assert order == rank0["order"]
+    assert all(tensor.dtype == torch.bfloat16 for tensor in tensors.values())
+    assert_bit_identical(tensors, rank0["one_process_bf16"])
+    assert_bit_identical(tensors, {name: t.to(torch.bfloat16) for name, t in rank0["one_process"].items()})
+    assert rank1["bf16"][0] == {}
+    if not kind.startswith("lora"):  # LoRA layers travel in float32 to be merged, the rest halves
+        assert len(collectives) < len(rank0["several"][2])
 
 
 @pytest.mark.slow

@@ -402,7 +402,7 @@ class FailingVllmTransfer:
     kind = "broadcast"
     keeps_weights_on_failure = False
 
-    def send(self, server: Any, model: Any, weights: Any) -> None:
+    def send(self, server: Any, model: Any, weights: Any, dtype: Any = None) -> None:
         server.call("start_weight_update")
         raise RuntimeError("500 Invalid update_info for NCCLWeightTransferEngine")
 
@@ -497,6 +497,86 @@ def test_a_server_in_another_dtype_than_the_trainer_is_warned_about(tmp_path, bf
     assert (warning is not None) == warned
     if warned:
         assert "bfloat16" in warning and "float32" in warning and "--dtype float32" in warning
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "served", "kind", "expected"),
+    [
+        (torch.float32, ["torch.bfloat16"], "file", "bfloat16"),
+        (torch.float32, ["float16"], "broadcast", "float16"),
+        (torch.float32, ["torch.float32"], "ipc", None),  # not narrower
+        (torch.bfloat16, ["torch.bfloat16"], "file", None),  # nothing wider to cast
+        (torch.float32, ["torch.bfloat16", "torch.float32"], "file", None),  # servers disagree
+        (torch.float32, ["torch.bfloat16"], "adapter", None),  # adapters are files of their own
+        (torch.float32, [None], "file", None),  # a server that does not say
+    ],
+)
+def test_merged_weights_travel_in_the_servers_dtype_when_it_is_narrower(model_dtype, served, kind, expected):
+    from harness.weight_sync.plan import sent_as
+
+    infos = [{"vllm_config": {"model_config": {"dtype": dtype}}} for dtype in served]
+    plan = sent_as(build_tiny_qwen3(dtype=model_dtype), infos, WeightSyncPlan(kind, "test"))
+    assert plan.send_dtype == expected
+
+
+class RecordingTransfer:
+    """A transport that records what each sync sends (name, dtype, bytes), then hands it to `inner`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.sent: list[tuple[str, torch.dtype, int]] = []
+
+    def send(self, server: Any, model: Any, weights: Any, dtype: Any = None) -> None:
+        def recorded() -> Any:
+            for name, tensor in weights:
+                self.sent.append((name, tensor.dtype, tensor.numel() * tensor.element_size()))
+                yield name, tensor
+
+        self.inner.send(server, model, recorded(), dtype)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_float32_policy_reaches_a_bf16_server_in_half_the_bytes_and_the_same_weights(lora):
+    """Cast before sending, the server holds bit for bit what it holds after rounding float32 on its copy."""
+    from harness.weight_sync.transports import FileTransfer
+
+    def bf16_server() -> EmbeddedServer:
+        state = ServerState.from_model(
+            build_tiny_qwen3(dtype=torch.bfloat16),
+            ServerConfig(model="tiny-qwen3", max_model_len=128, max_num_seqs=4),
+            tokenizer=build_tiny_tokenizer(),
+        )
+        return EmbeddedServer(state)
+
+    model = lora_model(seed=6) if lora else build_tiny_qwen3(seed=6)
+    served: list[dict[str, torch.Tensor]] = []
+    transfers: list[RecordingTransfer] = []
+    for send_dtype in (None, torch.bfloat16):
+        with bf16_server() as server, ClientThread(server.base_url, 60) as client:
+            if send_dtype is not None:
+                plan = plan_weight_sync(
+                    model, client.server_info(), base_url=server.base_url, max_staleness=1
+                )
+                assert (plan.kind, plan.send_dtype) == ("file", "bfloat16")
+            transfer = RecordingTransfer(FileTransfer())
+            with MergedWeightSync(transfer, client, send_dtype=send_dtype) as sync:  # type: ignore[arg-type]
+                sync.sync(model, 1)
+            served_weights_equal(server, model)
+            served.append(
+                {n: p.clone() for n, p in server.state.model.named_parameters(remove_duplicate=False)}
+            )
+            transfers.append(transfer)
+    assert served[0].keys() == served[1].keys()
+    assert all(torch.equal(served[0][name], served[1][name]) for name in served[0])
+    as_float32, as_bf16 = transfers
+    assert {dtype for _, dtype, _ in as_float32.sent} == {torch.float32}
+    assert {dtype for _, dtype, _ in as_bf16.sent} == {torch.bfloat16}
+    assert [name for name, _, _ in as_bf16.sent] == [name for name, _, _ in as_float32.sent]
+    assert 2 * sum(n for _, _, n in as_bf16.sent) == sum(n for _, _, n in as_float32.sent)
 
 
 # --- the trainer --------------------------------------------------------------------------------------------

@@ -49,11 +49,14 @@ class ShardLayoutError(ValueError):
 @dataclass(frozen=True)
 class GatherItem:
     """One tensor to yield: `tensors` are gathered together (sharded DTensors or plain full tensors), and
-    `combine` turns their full forms into the tensor yielded under `name` (None: the first one as it is)."""
+    `combine` turns their full forms into the tensor yielded under `name` (None: the first one as it is).
+    `dtype`: the dtype the sharded tensors travel in, cast to before they are packed (None: their own);
+    the cast commutes with gathering, so rank 0 gets what casting the full tensor would give."""
 
     name: str
     tensors: tuple[Any, ...]
     combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    dtype: Any = None
 
 
 def shard_rows(num_rows: int, world_size: int) -> list[range]:
@@ -143,10 +146,12 @@ class _Layout:
         slots: dict[int, _Slot] = {}
         offset = 0
         for index in bucket:
-            for tensor in self.items[index].tensors:
+            item = self.items[index]
+            for tensor in item.tensors:
                 rows = self.rows.get(id(tensor))
                 if rows is not None and id(tensor) not in slots:
-                    slots[id(tensor)] = slot = _Slot(offset, tuple(tensor.shape), tensor.dtype, rows)
+                    dtype = item.dtype or tensor.dtype
+                    slots[id(tensor)] = slot = _Slot(offset, tuple(tensor.shape), dtype, rows)
                     offset += _aligned(slot.padded_bytes)
         return slots, offset
 
@@ -214,8 +219,8 @@ class _Gathered:
                 slot = self.slots.get(id(tensor))
                 if slot is not None:
                     local = tensor.to_local()
-                    end = slot.offset + local.numel() * local.element_size()
-                    self.sent[slot.offset : end].view(local.dtype).view(local.shape).copy_(local)
+                    end = slot.offset + local.numel() * slot.dtype.itemsize
+                    self.sent[slot.offset : end].view(slot.dtype).view(local.shape).copy_(local)
         if receiving:
             self.received = torch.empty(world * self.part_bytes, dtype=torch.uint8, device=device)
         if all_ranks:

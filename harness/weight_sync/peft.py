@@ -43,9 +43,16 @@ def served_parameters(model: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
 
 @torch.no_grad()
 def merged_named_parameters(
-    model: Any, *, bucket_size_bytes: int | None = DEFAULT_GATHER_BUCKET_BYTES, all_ranks: bool = False
+    model: Any,
+    *,
+    bucket_size_bytes: int | None = DEFAULT_GATHER_BUCKET_BYTES,
+    all_ranks: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`served_parameters` as full tensors, in order, LoRA deltas merged in.
+    """`served_parameters` as full tensors, in order, LoRA deltas merged in; floating tensors wider than
+    `dtype` cast to it (the server's: it would round them so on copy anyway), and under FSDP2 cast before
+    they are gathered, so a float32 policy synced to a bf16 server gathers and sends half the bytes. A LoRA
+    layer's weight is merged in its own dtype, then cast.
 
     One process: each parameter as it is (merged where LoRA wraps it), one at a time. Under FSDP2 a
     collective that every process iterates to the end: the tensors are gathered in buckets of
@@ -58,7 +65,9 @@ def merged_named_parameters(
     if bucket_size_bytes is not None and any(_is_sharded(parameter) for _, parameter in served):
         from harness.weight_sync.gather import gather_in_buckets
 
-        items = [_gather_item(name, parameter, lora_layers.get(id(parameter))) for name, parameter in served]
+        items = [
+            _gather_item(name, parameter, lora_layers.get(id(parameter)), dtype) for name, parameter in served
+        ]
         yield from gather_in_buckets(items, bucket_size_bytes, all_ranks=all_ranks)
         return
     for name, parameter in served:
@@ -69,7 +78,24 @@ def merged_named_parameters(
             # sharded adapter and gathered like the weight)
             delta = _full(layer.get_delta_weight(layer.active_adapters[0]))
             tensor = tensor + delta.to(tensor.dtype)
-        yield name, tensor
+        yield name, narrowed(tensor, dtype)
+
+
+def narrowed(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` cast to `dtype` when both are floating and `dtype` is narrower; else `tensor` as it is."""
+    target = _narrower(tensor.dtype, dtype)
+    return tensor if target is None else tensor.to(target)
+
+
+def sent_dtype(source: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of dtype `source` is sent in by `merged_named_parameters(..., dtype=dtype)`."""
+    return _narrower(source, dtype) or source
+
+
+def _narrower(source: torch.dtype, dtype: torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or not (source.is_floating_point and dtype.is_floating_point):
+        return None
+    return dtype if dtype.itemsize < source.itemsize else None
 
 
 def _lora_layers(model: Any) -> dict[int, Any]:
@@ -83,13 +109,16 @@ def _lora_layers(model: Any) -> dict[int, Any]:
     }
 
 
-def _gather_item(name: str, parameter: torch.nn.Parameter, layer: Any) -> GatherItem:
-    """A served parameter for the bucketed gather: with its LoRA layer's factors of the active adapter, which
-    rank 0 merges into it once all are full."""
+def _gather_item(
+    name: str, parameter: torch.nn.Parameter, layer: Any, dtype: torch.dtype | None
+) -> GatherItem:
+    """A served parameter for the bucketed gather, cast to `dtype` (when narrower) before it travels; or with
+    its LoRA layer's factors of the active adapter, which rank 0 merges into it once all are full and then
+    casts."""
     from harness.weight_sync.gather import GatherItem
 
     if layer is None or not layer.active_adapters:
-        return GatherItem(name, (parameter.detach(),))
+        return GatherItem(name, (parameter.detach(),), dtype=_narrower(parameter.dtype, dtype))
     adapter = layer.active_adapters[0]
     factors = {
         key: factor.detach()
@@ -101,7 +130,7 @@ def _gather_item(name: str, parameter: torch.nn.Parameter, layer: Any) -> Gather
     def merge(full: list[torch.Tensor]) -> torch.Tensor:
         tensor, *full_factors = full
         delta = _delta_weight(layer, adapter, dict(zip(keys, full_factors, strict=True)))
-        return tensor + delta.to(tensor.dtype)
+        return narrowed(tensor + delta.to(tensor.dtype), dtype)
 
     return GatherItem(name, (parameter.detach(), *factors.values()), merge)
 

@@ -18,6 +18,8 @@ strategies.py, the transports they move merged weights with in transports.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,11 +41,14 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass(frozen=True)
 class WeightSyncPlan:
-    """What `plan_weight_sync` chose: "adapter", "ipc", "file" or "broadcast", and why (for the log)."""
+    """What `plan_weight_sync` chose: "adapter", "ipc", "file" or "broadcast", and why (for the log);
+    for merged weights, `send_dtype`, the dtype they travel in when the servers' is narrower than the
+    policy's (`sent_as`)."""
 
     kind: str
     reason: str
     adapter_rank: int | None = None
+    send_dtype: str | None = None
 
 
 def check_no_lm_head_adapter(peft_config: Any) -> None:
@@ -85,10 +90,41 @@ def plan_weight_sync(
 ) -> WeightSyncPlan:
     """Choose how the policy reaches the server (see the module docstring) and log it; rank 0 only. A LoRA
     policy that falls back to merged weights is a warning: it names what the server needs instead."""
-    plan = _plan(model, server_info, base_url=base_url, max_staleness=max_staleness)
-    falls_back = lora_config_of(model) is not None and plan.kind != "adapter"
-    (log.warning if falls_back else log.info)("weight sync: %s (%s)", plan.kind, plan.reason)
+    plan = sent_as(
+        model, [server_info], _plan(model, server_info, base_url=base_url, max_staleness=max_staleness)
+    )
+    _log(model, plan)
     return plan
+
+
+def sent_as(model: Any, server_infos: Sequence[dict[str, Any]], plan: WeightSyncPlan) -> WeightSyncPlan:
+    """`plan` with the dtype merged weights travel in: the servers' own, when they all report one float
+    dtype narrower than some of the policy's weights (a float32 policy, bf16 servers). The server rounds
+    what it receives to its dtype on copy anyway, so casting first changes nothing it holds and halves
+    what is gathered and sent."""
+    import torch
+
+    from harness.weight_sync.peft import served_parameters
+
+    if plan.kind == "adapter":
+        return plan
+    names = {
+        str(((info.get("vllm_config") or {}).get("model_config") or {}).get("dtype")).removeprefix("torch.")
+        for info in server_infos
+    }
+    served = getattr(torch, names.pop(), None) if len(names) == 1 else None
+    if not isinstance(served, torch.dtype) or not served.is_floating_point:
+        return plan
+    wider = any(
+        p.dtype.is_floating_point and p.dtype.itemsize > served.itemsize for _, p in served_parameters(model)
+    )
+    return dataclasses.replace(plan, send_dtype=str(served).removeprefix("torch.")) if wider else plan
+
+
+def _log(model: Any, plan: WeightSyncPlan) -> None:
+    falls_back = lora_config_of(model) is not None and plan.kind != "adapter"
+    sent = f"; sent as {plan.send_dtype}, the server's dtype" if plan.send_dtype else ""
+    (log.warning if falls_back else log.info)("weight sync: %s (%s%s)", plan.kind, plan.reason, sent)
 
 
 def plan_weight_sync_for_servers(
@@ -126,8 +162,8 @@ def plan_weight_sync_for_servers(
             "(shared-memory file), or use one server"
         )
     plan = WeightSyncPlan(plans[0].kind, f"{len(servers)} servers: {plans[0].reason}", plans[0].adapter_rank)
-    falls_back = lora_config_of(model) is not None and plan.kind != "adapter"
-    (log.warning if falls_back else log.info)("weight sync: %s (%s)", plan.kind, plan.reason)
+    plan = sent_as(model, [info for _, info in servers], plan)
+    _log(model, plan)
     return plan
 
 
@@ -215,14 +251,20 @@ def build_weight_sync(
     base_url: str = "",
 ) -> WeightSync:
     """The strategy of `plan`, on every process (rank 0 talks to the server through `server`)."""
+    import torch
+
+    send_dtype = getattr(torch, plan.send_dtype) if plan.send_dtype else None
+    merged = functools.partial(
+        MergedWeightSync, server=server, is_main=is_main, world_size=world_size, send_dtype=send_dtype
+    )
     if plan.kind == "adapter":
         return AdapterWeightSync(
             server, output_dir, window=max_staleness + 1, is_main=is_main, world_size=world_size
         )
     if plan.kind == "file":
-        return MergedWeightSync(FileTransfer(), server, is_main=is_main, world_size=world_size)
+        return merged(FileTransfer())
     if plan.kind == "ipc":
-        return MergedWeightSync(IpcTransfer(device=device), server, is_main=is_main, world_size=world_size)
+        return merged(IpcTransfer(device=device))
     if plan.kind == "broadcast":
         transfer = BroadcastTransfer(device=device)
         if is_main:
@@ -231,7 +273,7 @@ def build_weight_sync(
                 transfer.connect(server, base_url)
             except ImportError as exc:  # no vLLM on the trainer: say why merged sync was chosen at all
                 raise ImportError(f"{exc}. Weight sync is merged because {plan.reason}") from exc
-        return MergedWeightSync(transfer, server, is_main=is_main, world_size=world_size)
+        return merged(transfer)
     raise ValueError(f"unknown weight sync kind {plan.kind!r}")
 
 

@@ -119,19 +119,27 @@ class MergedWeightSync(WeightSync):
         server: ClientThread | None,
         *,
         gather_bucket_bytes: int = DEFAULT_GATHER_BUCKET_BYTES,
+        send_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ) -> None:
         """`gather_bucket_bytes`: under FSDP2, the bytes of weights gathered to rank 0 per collective; the
-        default (256 MiB) is below the IPC and broadcast transports' own buffers (2 and 1 GiB)."""
+        default (256 MiB) is below the IPC and broadcast transports' own buffers (2 and 1 GiB).
+        `send_dtype`: the server's dtype, when narrower than the policy's weights (a float32 policy, a bf16
+        server): they are cast to it before they are gathered and sent, half the bytes, and what the server
+        holds after its copy is the same (the cast rounds as the server's copy would). Every process must
+        be given the same (the plan is broadcast)."""
         super().__init__(server, **kwargs)
         self.transfer = transfer
         self.kind = f"merged-{transfer.kind}"
         self.gather_bucket_bytes = gather_bucket_bytes
+        self.send_dtype = send_dtype
 
     def _sync(self, model: Any, version: int) -> dict[str, float]:
         from harness.weight_sync.peft import merged_named_parameters
 
-        weights = merged_named_parameters(model, bucket_size_bytes=self.gather_bucket_bytes)
+        weights = merged_named_parameters(
+            model, bucket_size_bytes=self.gather_bucket_bytes, dtype=self.send_dtype
+        )
         if not self.is_main:
             # FSDP2: every process joins each bucket's gather, in the same order; rank 0 receives and sends
             started = time.monotonic()
@@ -142,7 +150,7 @@ class MergedWeightSync(WeightSync):
         self.server.call("pause", "keep")
         paused = time.monotonic()
         try:
-            self.transfer.send(self.server, model, weights)
+            self.transfer.send(self.server, model, weights, self.send_dtype)
         except BaseException as exc:
             if not getattr(self.transfer, "keeps_weights_on_failure", True):
                 # vLLM swapped its weights out at /start_weight_update: resuming would run requests on

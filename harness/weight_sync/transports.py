@@ -45,7 +45,13 @@ class FileTransfer:
     def __init__(self, directory: str | Path | None = None) -> None:
         self.directory = directory
 
-    def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def send(
+        self,
+        server: ClientThread,
+        model: Any,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         from harness.weight_sync.wire import default_weights_dir, write_weights_file
 
         path = Path(self.directory or default_weights_dir()) / f"agent-harness-weights-{uuid.uuid4().hex}.bin"
@@ -81,26 +87,34 @@ class IpcTransfer:
         self.buffer_size_bytes = int(buffer_size_bytes)
         self._buffer: torch.Tensor | None = None
 
-    def _buffer_for(self, model: Any, smallest: int) -> torch.Tensor:
+    def _buffer_for(self, model: Any, smallest: int, dtype: torch.dtype | None) -> torch.Tensor:
         import torch
 
-        from harness.weight_sync.peft import served_parameters
+        from harness.weight_sync.peft import sent_dtype, served_parameters
 
         if self._buffer is None or self._buffer.numel() < smallest:
-            total = sum(_aligned(p.numel() * p.element_size()) for _, p in served_parameters(model))
+            total = sum(
+                _aligned(p.numel() * sent_dtype(p.dtype, dtype).itemsize) for _, p in served_parameters(model)
+            )
             size = max(min(self.buffer_size_bytes, total), smallest)
             self._buffer = None  # the old one goes before the new one is taken
             self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._buffer
 
-    def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def send(
+        self,
+        server: ClientThread,
+        model: Any,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         import torch
 
         from harness.weight_sync.cuda_ipc import share_buffer
         from harness.weight_sync.wire import WeightManifest
 
         server.call("start_weight_update")
-        buffer = self._buffer_for(model, 0)
+        buffer = self._buffer_for(model, 0, dtype)
         names: list[str] = []
         tensors: list[torch.Tensor] = []
         offsets: list[int] = []
@@ -124,7 +138,7 @@ class IpcTransfer:
             if used + nbytes > buffer.numel():
                 flush()
                 if nbytes > buffer.numel():
-                    buffer = self._buffer_for(model, _aligned(nbytes))
+                    buffer = self._buffer_for(model, _aligned(nbytes), dtype)
             view = buffer[used : used + nbytes].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor, non_blocking=True)
             names.append(name)
@@ -244,12 +258,18 @@ class BroadcastTransfer:
             await endpoint.init_weight_transfer_engine(body)
         return groups[0]
 
-    def send(self, server: ClientThread, model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def send(
+        self,
+        server: ClientThread,
+        model: Any,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         from harness.weight_sync.wire import WeightTransferError, plan_buckets
 
         if self.group is None:
             raise RuntimeError("the broadcast group is not connected")
-        manifest = merged_manifest(model)
+        manifest = merged_manifest(model, dtype)
         if self.vllm:
             from harness.weight_sync.vllm_nccl import update_info
 
@@ -317,15 +337,16 @@ class BroadcastTransfer:
                 group.close()
 
 
-def merged_manifest(model: Any) -> Any:
-    """The WeightManifest `merged_named_parameters(model)` will yield, from metadata alone (no gathering)."""
-    from harness.weight_sync.peft import served_parameters
+def merged_manifest(model: Any, dtype: torch.dtype | None = None) -> Any:
+    """The WeightManifest `merged_named_parameters(model, dtype=dtype)` will yield, from metadata alone (no
+    gathering)."""
+    from harness.weight_sync.peft import sent_dtype, served_parameters
     from harness.weight_sync.wire import WeightManifest
 
     names, dtypes, shapes = [], [], []
     for name, parameter in served_parameters(model):
         names.append(name)
-        dtypes.append(str(parameter.dtype).removeprefix("torch."))
+        dtypes.append(str(sent_dtype(parameter.dtype, dtype)).removeprefix("torch."))
         shapes.append(list(parameter.shape))  # a DTensor's shape is the global one
     return WeightManifest(names, dtypes, shapes)
 
