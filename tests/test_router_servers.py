@@ -189,16 +189,23 @@ async def test_a_busy_server_gets_no_new_requests_until_it_drains(shared_servers
     idle_before = served(idle)
     with anyio.fail_after(120):
         async with router, GenerationClient(busy, timeout_s=60) as direct, anyio.create_task_group() as tasks:
-            for _ in range(3):  # load the first server behind the router's back
-                tasks.start_soon(lambda: direct.generate(PROMPT, long_turn))
-            while True:  # the loop's poll: the router learns the load from /metrics
-                await router.server_load()
-                load = router.servers[0].load
-                if load is not None and load.num_running + load.num_waiting >= 3:
-                    break
-                await anyio.sleep(0.05)
-            for _ in range(4):
-                await router.generate(PROMPT, short_turn)
+            # Load the first server behind the router's back. Paused, it holds the three requests in its
+            # queue until resumed, so the load lasts however slow the machine is (running, they could end
+            # before the router's first poll on a loaded machine, and the load would never be seen).
+            await direct.pause("keep")
+            try:
+                for _ in range(3):
+                    tasks.start_soon(lambda: direct.generate(PROMPT, long_turn))
+                while True:  # the loop's poll: the router learns the load from /metrics
+                    await router.server_load()
+                    load = router.servers[0].load
+                    if load is not None and load.num_running + load.num_waiting >= 3:
+                        break
+                    await anyio.sleep(0.05)
+                for _ in range(4):
+                    await router.generate(PROMPT, short_turn)
+            finally:
+                await direct.resume()
     assert [url for _, url in router.placements] == [idle] * 4
     assert served(idle) - idle_before == 4
 
