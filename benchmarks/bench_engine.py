@@ -28,21 +28,20 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_trainer import PRESETS  # the shapes every benchmark uses, "tiny" among them
 
 from harness.server.engine import Engine
 from harness.server.sampling import SamplingParams
-from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
+from harness.testing.models import QWEN_VOCAB_SIZE
 
 
 def build_model(preset: str, device: str) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    shape = QWEN3_SHAPES[preset] if preset != "tiny" else dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16,
-    )  # fmt: skip
     config = Qwen3Config(
-        vocab_size=QWEN_VOCAB_SIZE, **shape, max_position_embeddings=4096, tie_word_embeddings=True
+        vocab_size=QWEN_VOCAB_SIZE, **PRESETS[preset], max_position_embeddings=4096, tie_word_embeddings=True
     )
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
