@@ -27,10 +27,13 @@ token, in one pass) -> backward. Reported:
 1k, 2k, 4k or 8k-token prompt, each row one micro-batch), and a 16k row of multi-turn rollouts whose second
 turn re-rendered the end of the first (they fork). Each workload runs three ways on the same samples with the
 same fused head: (a) tree-packed (the default attention backend: varlen in bf16, full-attention layers as a
-cascade over the row in place), (b) our unpacked padding-free row, (c) a plain transformers model with its
-stock SDPA attention on the samples as a padded batch, the head applied to its hidden states at the same
-tokens. For each: the first call (compilation included), the steady step (median), trained and forwarded
-tokens/s, MFU and peak memory; on a GPU also (a) with the fallback layout that gathers each segment's path
+cascade over the row in place; on a GPU each layer's norms and MLP compiled, as the trainer does there:
+harness/training/compiled_blocks.py, `--no-compile` to leave them eager), (b) our unpacked padding-free
+row, (c) a plain transformers model with its stock SDPA attention on the samples as a padded batch, all
+eager, the head applied to its hidden states at the same tokens. For each:
+the first call (compilation included), the steady step (median), trained and forwarded
+tokens/s, MFU and peak memory; on a GPU also (a) with its compiled blocks run eagerly (`a_tree_eager`),
+(a) with the fallback layout that gathers each segment's path
 (`a_tree_gather`), at 4k (a) with the flex backend, and at 16k (a) with the modular head. Beside the
 packing ratio, the model FLOPs ratio ((c)'s model FLOPs over (a)'s): the speed-up (a) would have over (c) at
 equal MFU. With --no-gradient-checkpointing, --micro-batch-samples 2 runs (b) and (c) in micro-batches of two
@@ -56,6 +59,7 @@ import torch
 from harness.packing import PackedRow, batch_metrics, pack_row, plan_micro_batches
 from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
 from harness.training.attention import packed_forward, prepare_model_for_tree_attention
+from harness.training.compiled_blocks import compile_blocks
 from harness.training.flops import peak_flops
 from harness.training.logprobs import (
     _mixed_precision_matmul_works,
@@ -466,6 +470,9 @@ def run_sweep(
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = device.type == "cuda" and not args.no_compile
+    if compiled:  # as the trainer does on a CUDA device; (c) and a_tree_eager run with it switched off
+        compile_blocks(model)
     config = LossConfig()
     scale = 1 if device.type == "cuda" else 64  # CPU smoke test: the same shapes, 64 times shorter
     workloads = []
@@ -507,6 +514,14 @@ def run_sweep(
             ("a_tree", functools.partial(run_step, model, [tree], config, chunk, True), tree),
             ("b_unpacked", functools.partial(run_step, model, flat_rows, config, chunk, True), flat),
         ]
+        if compiled:  # the same step with every compiled block run eagerly: what compile_blocks saves
+            ways.append(
+                (
+                    "a_tree_eager",
+                    functools.partial(_eager, run_step, model, [tree], config, chunk, True),
+                    tree,
+                )
+            )
         if device.type == "cuda":  # the fallback layout: each segment's path gathered (K/V copied)
             gather = functools.partial(_with_backend, model, tree, config, chunk, "varlen_gather")
             ways.append(("a_tree_gather", gather, tree))
@@ -523,7 +538,7 @@ def run_sweep(
                 )
             )
         plain_batches = list(zip(flat_rows, batches, strict=True))
-        plain = functools.partial(plain_step, model, plain_batches, config, chunk)
+        plain = functools.partial(_eager, plain_step, model, plain_batches, config, chunk)
         ways.append(("c_plain_sdpa", plain, flat))
         for way, step, row in ways:
             tokens = (row.num_tokens, row.num_trained)
@@ -576,6 +591,12 @@ def profile(name: str, step: Any) -> None:
     print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60))
 
 
+def _eager(step: Any, *args: Any) -> Any:
+    """`step(*args)` with every torch.compile'd function run eagerly (the stock model of (c))."""
+    with torch.compiler.set_stance("force_eager"):
+        return step(*args)
+
+
 def _with_backend(
     model: torch.nn.Module, row: PackedRow, config: LossConfig, chunk: int, backend: str
 ) -> float:
@@ -601,6 +622,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="sweep: leave the norms and MLPs eager (compile_blocks off)"
+    )
     parser.add_argument("--skip-head", action="store_true", help="skip the head-alone memory comparison")
     parser.add_argument(
         "--skip-modular", action="store_true", help="skip timing the packed step's modular head"

@@ -216,6 +216,17 @@ class AsyncGRPOConfig(TrainingArguments):
         default=4096, metadata=_help("max_model_len of the built-in server (prompt plus completion).")
     )
 
+    # --- beyond the reference: training kernels ------------------------------------------------------
+    compile_blocks: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Compile each decoder layer's RMSNorms and dense MLP with torch.compile (dynamic shapes: one "
+            "compilation for every row length, paid in the warm-up at start) so their elementwise work runs "
+            "fused; attention keeps its own kernels. None: on when training on a CUDA device. See "
+            "harness/training/compiled_blocks.py."
+        ),
+    )
+
     # --- beyond the reference: rollout worker processes ----------------------------------------------
     num_rollout_workers: int = field(
         default=1,
@@ -334,6 +345,12 @@ class AsyncGRPOConfig(TrainingArguments):
             )
         if self.ignore_data_skip is not True:
             problems.append("ignore_data_skip must stay True: the rollout queue cannot be replayed on resume")
+        if self.torch_compile:
+            problems.append(
+                "torch_compile=True is not supported: the model cannot be compiled whole around tree "
+                "attention; compile_blocks (on by default on a CUDA device) compiles each layer's norms "
+                "and MLP"
+            )
         if self.use_liger_kernel:
             problems.append(
                 "use_liger_kernel=True is not supported: the loss runs on our chunked log-prob head"

@@ -66,6 +66,7 @@ from harness.training.checkpointing import (
     checkpoint_directory,
     load_weights_before_sharding,
 )
+from harness.training.compiled_blocks import compile_blocks
 from harness.training.flops import device_peak_flops, training_flops
 from harness.training.generation_side import generation_server, open_weight_sync, start_rollout_worker
 from harness.training.ledger import PromptLedger
@@ -130,6 +131,11 @@ class AsyncGRPOTrainer(Trainer):
         if args.gradient_checkpointing:
             _enable_activation_checkpointing(model)
         prepare_model_for_tree_attention(model)
+        compile_on = args.device.type == "cuda" if args.compile_blocks is None else args.compile_blocks
+        if compile_on:  # compiled at first use: in the warm-up, before the first step
+            log.info(
+                "compile_blocks: %d norms and MLPs compiled with dynamic shapes", len(compile_blocks(model))
+            )
         # resolved once: a coefficient set for a dense model raises here, before anything starts
         self.router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
 

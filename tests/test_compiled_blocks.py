@@ -1,0 +1,138 @@
+"""Compiled blocks (harness/training/compiled_blocks.py): which modules are compiled, one compilation for
+every row length, and the same loss and gradients as the eager model. On CPU the graphs run through
+AOTAutograd without code generation (backend "aot_eager" or a counting backend); the inductor path runs in
+tests/test_gpu_training_core.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.packing import pack_row
+from harness.testing import build_tiny_qwen3, build_tiny_qwen3_5, build_tiny_qwen3_moe
+from harness.training.attention import packed_forward, prepare_model_for_tree_attention
+from harness.training.compiled_blocks import compilable_blocks, compile_blocks
+from harness.training.logprobs import row_logprobs
+from harness.types import TrainingSample, TrainingSequence
+
+
+def group(prompt_len: int, completion_len: int, num: int = 3) -> list[TrainingSample]:
+    """`num` completions of `completion_len` tokens after one prompt of `prompt_len`."""
+    prompt = [(7 * i) % 90 + 5 for i in range(prompt_len)]
+    samples = []
+    for j in range(num):
+        ids = prompt + [(11 * i + j) % 90 + 5 for i in range(completion_len)]
+        mask = [0] * prompt_len + [1] * completion_len
+        sequence = TrainingSequence(ids, mask, [0.0] * len(ids), [None] * len(ids), [None] * len(ids))
+        samples.append(TrainingSample(sequence=sequence, advantage=1.0, group_id=0))
+    return samples
+
+
+class CountingBackend:
+    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+
+    def __init__(self) -> None:
+        self.num_graphs = 0
+
+    def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
+        self.num_graphs += 1
+        return graph_module.forward
+
+
+def loss_and_grads(model: torch.nn.Module, samples: list[TrainingSample]) -> tuple[torch.Tensor, dict]:
+    row = pack_row(samples)
+    hidden = packed_forward(model, row)
+    logprobs = row_logprobs(hidden, row, model.get_output_embeddings().weight, chunk_size=16).logprobs
+    loss = (logprobs * torch.linspace(-1, 1, logprobs.numel())).sum()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_norms_and_mlps_of_every_layer_are_found():
+    model = build_tiny_qwen3(num_hidden_layers=2)
+    names = [name for name, _ in compilable_blocks(model)]
+    per_layer = ["self_attn.q_norm", "self_attn.k_norm", "mlp", "input_layernorm", "post_attention_layernorm"]
+    expected = [f"model.layers.{i}.{part}" for i in range(2) for part in per_layer] + ["model.norm"]
+    assert sorted(names) == sorted(expected)
+
+
+def test_lora_wrapped_mlps_and_experts_stay_eager():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        build_tiny_qwen3(num_hidden_layers=2), LoraConfig(r=4, target_modules=["up_proj", "q_proj"])
+    )
+    names = [name for name, _ in compilable_blocks(model)]
+    assert not [n for n in names if n.endswith("mlp")]  # its projections are LoRA layers
+    assert len([n for n in names if n.endswith("layernorm")]) == 4
+    moe = [name for name, _ in compilable_blocks(build_tiny_qwen3_moe())]
+    assert not [n for n in moe if ".experts." in f"{n}."]
+    assert not [n for n in moe if n.endswith("mlp")]  # a sparse block is no dense gated MLP
+
+
+def test_gated_norms_of_deltanet_layers_stay_eager():
+    model = build_tiny_qwen3_5()
+    for name, module in compilable_blocks(model):
+        assert "Gated" not in type(module).__name__, name
+    assert any(name.endswith("input_layernorm") for name, _ in compilable_blocks(model))
+
+
+def test_one_compilation_serves_every_row_length_with_the_same_results():
+    eager = prepare_model_for_tree_attention(build_tiny_qwen3(num_hidden_layers=2))
+    compiled = prepare_model_for_tree_attention(build_tiny_qwen3(num_hidden_layers=2))
+    eager.train(), compiled.train()
+    backend = CountingBackend()
+    compile_blocks(compiled, backend=backend)
+    graphs_after = []
+    for prompt_len, completion_len in [(9, 4), (23, 7), (41, 13)]:
+        samples = group(prompt_len, completion_len)
+        expected_loss, expected_grads = loss_and_grads(eager, samples)
+        loss, grads = loss_and_grads(compiled, samples)
+        torch.testing.assert_close(loss, expected_loss, atol=0, rtol=0)
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], atol=0, rtol=0, msg=name)
+        graphs_after.append(backend.num_graphs)
+    # the q/k norms (head_dim wide), the hidden-size norms and the MLP: three graphs, then no more
+    assert graphs_after == [3, 3, 3]
+
+
+def test_through_aot_autograd_the_gradients_match_eager():
+    eager = prepare_model_for_tree_attention(build_tiny_qwen3(num_hidden_layers=2))
+    compiled = prepare_model_for_tree_attention(build_tiny_qwen3(num_hidden_layers=2))
+    eager.train(), compiled.train()
+    compile_blocks(compiled, backend="aot_eager")
+    for prompt_len, completion_len in [(9, 4), (30, 10)]:
+        samples = group(prompt_len, completion_len)
+        expected_loss, expected_grads = loss_and_grads(eager, samples)
+        loss, grads = loss_and_grads(compiled, samples)
+        torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("value", "compiled"), [(None, False), (True, True), (False, False)])
+def test_the_trainer_compiles_the_policy_when_asked_and_by_default_only_on_cuda(tmp_path, value, compiled):
+    from harness import AsyncGRPOConfig, AsyncGRPOTrainer
+    from harness.testing import build_tiny_tokenizer
+
+    model = build_tiny_qwen3(num_hidden_layers=2)
+    settings = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, compile_blocks=value)
+    AsyncGRPOTrainer(  # construction only: modules compile at their first call
+        model,
+        reward_funcs=[lambda completions, **kwargs: [0.0] * len(completions)],
+        args=AsyncGRPOConfig(**settings),
+        train_dataset=[{"prompt": [{"role": "user", "content": "hi"}]}],
+        processing_class=build_tiny_tokenizer(),
+    )
+    blocks = compilable_blocks(model)
+    assert len(blocks) == 11
+    assert all((module._compiled_call_impl is not None) is compiled for _, module in blocks)
+
+
+def test_torch_compile_is_refused_with_the_alternative():
+    from harness.config import AsyncGRPOConfig
+
+    with pytest.raises(ValueError, match=r"torch_compile=True is not supported.*compile_blocks"):
+        AsyncGRPOConfig(output_dir="/tmp/unused", torch_compile=True, report_to="none")
