@@ -161,6 +161,42 @@ def test_padded_prefills_continue_cached_prefixes_and_share_a_group_prefill():
     assert len({tuple(o.output_ids) for o in outputs[1:5]}) == 1
 
 
+class RecordingGraphs(StepGraphs):
+    """StepGraphs whose "capture" records the shape and replays by running the padded forward (CPU)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, capture=True, **kwargs)
+        self.captured: list[str] = []
+
+    def _capture(self, forward):
+        self.captured.append("capture")
+        return type("Replay", (), {"replay": staticmethod(forward)})()
+
+
+def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs():
+    model = build_tiny_qwen3()
+    engine = make_engine(model, graphs="none")
+    graphs = RecordingGraphs(model, engine.cache)
+    engine.cache.reserve(4, 64)
+    prompts = [list(range(10, 40)), list(range(50, 70))]
+
+    def prefill() -> torch.Tensor:
+        return graphs.prefill([0, 1], prompts, [0, 0]).clone()
+
+    first = prefill()
+    assert graphs.num_captures == 0 and prefill().equal(first)  # a new shape, then its second use: eager
+    assert graphs.num_captures == 0
+    assert prefill().equal(first) and graphs.num_captures == 1  # the third: captured (and replayed)
+    assert prefill().equal(first) and graphs.num_captures == 1  # then replayed
+    graphs.decode([3, 4], [31, 21])
+    assert graphs.num_captures == 2  # decode: at its first use
+    graphs.decode([5, 6], [32, 22])
+    assert graphs.num_captures == 2
+    engine.cache.reserve(8, 128)  # the cache grows: every graph is dropped ...
+    assert prefill().equal(first) and graphs.num_captures == 3  # ... and a recurring shape captured at once
+    assert graphs.num_forwards == {"prefill": 5, "decode": 2}
+
+
 def test_the_padded_step_under_a_tight_budget_preempts_and_recomputes_correctly():
     engine = make_engine(
         build_tiny_qwen3(), graphs="padded", max_model_len=64, max_num_seqs=4, kv_cache_tokens=128
