@@ -3,6 +3,8 @@
     python benchmarks/bench_engine.py                       # a GPU: random Qwen3-0.6B shape, bf16
     python benchmarks/bench_engine.py --eager               # the same with --enforce-eager's engine
     python benchmarks/bench_engine.py --device cpu --preset tiny --concurrency 8 --max-tokens 16  # smoke
+    python benchmarks/bench_engine.py --http                # the same engine behind its HTTP server
+    python benchmarks/bench_engine.py --compile-blocks      # norms and MLPs compiled (the trainer's default)
 
 Requests are submitted in-process, all C of a wave at once (each ~`--prompt-len` random tokens, exactly
 `--max-tokens` new ones, temperature 1, logprobs=1), three waves per concurrency; the first includes the
@@ -12,6 +14,18 @@ whole scheduling step), `_prefill` and `_decode` (each including its sampling), 
 own `prefill` and `decode` (their replay, inputs copied in). Printed per wave: tokens/s and (calls, mean
 ms, total s) per part. What it shows beside benchmarks/bench_serving.py: the engine's own ceiling, which
 the HTTP process then shares its CPU with.
+
+`--http` serves the engine instead through the built-in HTTP server on a thread of this process
+(`EmbeddedServer`, as tests do) and loads it with bench_serving.py's client processes (4, each request its
+own seed, logprobs=1; a warm-up wave, then 4 timed waves); the step parts are then counted without device
+synchronisation (which would slow the server), so their times are host times. Comparing the two shows what
+serving over HTTP changes: how many prefills the staggered arrivals cause, and what they cost.
+`--compile-blocks` compiles the model's norms and MLPs first (harness/training/compiled_blocks.py).
+
+One H200 run (random Qwen3-0.6B, bf16, 128-token prompts, 128 new tokens), tokens/s at 64 / 256 in flight:
+engine alone 7,539 / 14,688 (decode replay 5.95 / 8.76 ms, sampling 4.6 / 5.0 ms per step), with compiled
+blocks 8,243 / 10,332 (replay 4.19 / 6.94 ms); over HTTP 4,250 / 7,939, where 19 / 34 prefills averaged
+165 / 122 ms (capturing new prefill shapes, since captured only once they recur: see cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -69,6 +83,13 @@ def timed(obj: Any, name: str, timers: dict[str, list[float]], device: torch.dev
     setattr(obj, name, wrapper)
 
 
+def summary(timers: dict[str, list[float]]) -> dict[str, tuple[int, float, float]]:
+    """(calls, mean ms, total s) per timed part."""
+    return {
+        k: (len(v), round(1000 * sum(v) / max(1, len(v)), 2), round(sum(v), 2)) for k, v in timers.items()
+    }
+
+
 def run_wave(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
     """Submit every prompt at once and wait for all; the seconds it took."""
     done = threading.Event()
@@ -112,10 +133,7 @@ def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
                 values.clear()
             prompts = [[rng.randint(10, 30000) for _ in range(args.prompt_len)] for _ in range(concurrency)]
             seconds = run_wave(engine, prompts, args.max_tokens)
-            parts = {
-                k: (len(v), round(1000 * sum(v) / max(1, len(v)), 2), round(sum(v), 2))
-                for k, v in timers.items()
-            }
+            parts = summary(timers)
             print(
                 f"eager={args.eager} C={concurrency} wave {wave}: "
                 f"{concurrency * args.max_tokens / seconds:.0f} tok/s, {seconds:.2f} s; "
@@ -129,6 +147,42 @@ def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
         model.set_attn_implementation("sdpa")
 
 
+def run_http(model: Any, args: argparse.Namespace) -> None:
+    """The engine behind an in-process HTTP server, loaded by bench_serving.py's client processes."""
+    import bench_serving
+
+    from harness.server.app import EmbeddedServer
+    from harness.server.state import ServerConfig, ServerState
+
+    config = ServerConfig(
+        model=bench_serving.SERVED_NAME,
+        max_model_len=4096,
+        max_num_seqs=256,
+        kv_cache_tokens=256 * 1024,  # as run() gives the engine alone
+        enforce_eager=args.eager,
+    )
+    state = ServerState.from_model(model, config)
+    timers: dict[str, list[float]] = collections.defaultdict(list)
+    for name in ("_prefill", "_decode", "_sample", "_step"):
+        timed(state.engine, name, timers, torch.device("cpu"))  # host times: no device synchronisation
+    load = argparse.Namespace(
+        client_processes=4, prompt_len=args.prompt_len, max_tokens=args.max_tokens, waves=4
+    )
+    with EmbeddedServer(state) as server:
+        for concurrency in args.concurrency:
+            for values in timers.values():
+                values.clear()
+            row = bench_serving.measure(server.base_url, concurrency, load)
+            parts = summary(timers)
+            print(
+                f"HTTP eager={args.eager} C={concurrency}: {row['tokens_per_s']:.0f} tok/s over "
+                f"{row['wall_s']:.1f} s (first wave {row['first_wave_s']:.1f} s); (calls, mean ms, total s) "
+                f"since the warm-up wave: {parts}",
+                flush=True,
+            )
+    model.set_attn_implementation("sdpa")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b, ... or tiny")
@@ -137,8 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--http", action="store_true", help="behind the HTTP server, with client processes")
+    parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
     args = parser.parse_args(argv)
     model = build_model(args.preset, args.device)
+    if args.compile_blocks:
+        from harness.training.compiled_blocks import compile_blocks
+
+        compile_blocks(model)
+    if args.http:
+        run_http(model, args)
+        return 0
     for concurrency in args.concurrency:
         run(model, args, concurrency)
     return 0
