@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -206,17 +207,22 @@ def _prompt_ids(prompt: Any, tokenizer: PreTrainedTokenizerBase | None, vocab_si
 _TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
-def _token_text(token_id: int, as_token_ids: bool, tokenizer: PreTrainedTokenizerBase | None) -> str:
+def _token_namer(as_token_ids: bool, tokenizer: PreTrainedTokenizerBase | None) -> Callable[[int], str]:
+    """The function naming a token in log-prob listings: its text, or "token_id:N"."""
     if as_token_ids or tokenizer is None:
-        return f"token_id:{token_id}"
+        return "token_id:{}".format
     # Each token's text is decoded once per tokenizer: responses are built on the server's event loop, which
-    # shares the process with the engine, and a 128-token completion with top-1 log-probs names ~3 tokens
-    # per position.
+    # shares the process (and the GIL) with the engine, and a 128-token completion with top-1 log-probs
+    # names ~3 tokens per position.
     texts = _TOKEN_TEXTS.setdefault(tokenizer, {})
-    text = texts.get(token_id)
-    if text is None:
-        text = texts[token_id] = tokenizer.decode([token_id])
-    return text
+
+    def name(token_id: int) -> str:
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = tokenizer.decode([token_id])
+        return text
+
+    return name
 
 
 def completion_response(
@@ -227,28 +233,29 @@ def completion_response(
     tokenizer: PreTrainedTokenizerBase | None,
 ) -> dict[str, Any]:
     """The /v1/completions response for one finished request, as vLLM shapes it."""
-    as_ids = request.return_tokens_as_token_ids
     logprobs_body = None
     if output.logprobs is not None and output.top_logprobs is not None:
-        tokens = [_token_text(t, as_ids, tokenizer) for t in output.output_ids]
+        name = _token_namer(request.return_tokens_as_token_ids, tokenizer)
+        floor = LOGPROB_FLOOR
+        tokens = [name(t) for t in output.output_ids]
         offsets, position = [], 0
         for token in tokens:
             offsets.append(position)
             position += len(token)
+        # max(x, floor), without a call per value: a 128-token response lists ~400 of them.
+        token_logprobs = [floor if floor > lp else lp for lp in output.logprobs]
         top_logprobs = []
-        for token_id, logprob, top in zip(
-            output.output_ids, output.logprobs, output.top_logprobs, strict=True
-        ):
+        for token, logprob, top in zip(tokens, token_logprobs, output.top_logprobs, strict=True):
             # vLLM lists the sampled token first, then the top k in rank order (the sampled one once).
-            entry = {_token_text(token_id, as_ids, tokenizer): max(logprob, LOGPROB_FLOOR)}
+            entry = {token: logprob}
             for candidate, candidate_logprob in top:
-                entry.setdefault(
-                    _token_text(candidate, as_ids, tokenizer), max(candidate_logprob, LOGPROB_FLOOR)
-                )
+                text = name(candidate)
+                if text not in entry:
+                    entry[text] = floor if floor > candidate_logprob else candidate_logprob
             top_logprobs.append(entry)
         logprobs_body = {
             "text_offset": offsets,
-            "token_logprobs": [max(lp, LOGPROB_FLOOR) for lp in output.logprobs],
+            "token_logprobs": token_logprobs,
             "tokens": tokens,
             "top_logprobs": top_logprobs,
         }
