@@ -24,8 +24,9 @@ serving over HTTP changes: how many prefills the staggered arrivals cause, and w
 
 One H200 run (random Qwen3-0.6B, bf16, 128-token prompts, 128 new tokens), tokens/s at 64 / 256 in flight:
 engine alone 7,539 / 14,688 (decode replay 5.95 / 8.76 ms, sampling 4.6 / 5.0 ms per step), with compiled
-blocks 8,243 / 10,332 (replay 4.19 / 6.94 ms); over HTTP 4,250 / 7,939, where 19 / 34 prefills averaged
-165 / 122 ms (capturing new prefill shapes, since captured only once they recur: see cuda_graphs.py).
+blocks 8,243 / 10,332 (replay 4.19 / 6.94 ms; at 256 its sampling took 13.2 ms a step, not understood); over
+HTTP 4,250 / 7,939, where the warm-up and timed waves together made 19 / 34 prefills averaging 165 / 122 ms
+(that run counted the warm-up wave's parts too; the timed waves alone are what `--http` now counts).
 """
 
 from __future__ import annotations
@@ -170,9 +171,12 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
     )
     with EmbeddedServer(state) as server:
         for concurrency in args.concurrency:
-            for values in timers.values():
-                values.clear()
-            row = bench_serving.measure(server.base_url, concurrency, load)
+
+            def clear() -> None:  # the parts of the timed waves only
+                for values in timers.values():
+                    values.clear()
+
+            row = bench_serving.measure(server.base_url, concurrency, load, on_timed_start=clear)
             parts = summary(timers)
             print(
                 f"HTTP eager={args.eager} C={concurrency}: {row['tokens_per_s']:.0f} tok/s over "

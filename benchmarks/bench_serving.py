@@ -139,8 +139,11 @@ def _client_process(
     )
 
 
-def measure(url: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Generated tokens/s at `concurrency` requests in flight, spread over the client processes."""
+def measure(
+    url: str, concurrency: int, args: argparse.Namespace, on_timed_start: Any = None
+) -> dict[str, Any]:
+    """Generated tokens/s at `concurrency` requests in flight, spread over the client processes;
+    `on_timed_start()`, when given, is called once the warm-up wave is over, as the timed waves start."""
     context = multiprocessing.get_context("spawn")
     num_processes = min(args.client_processes, concurrency)
     barrier = context.Barrier(num_processes + 1)
@@ -160,6 +163,8 @@ def measure(url: str, concurrency: int, args: argparse.Namespace) -> dict[str, A
     first_wave_start = time.time()
     barrier.wait(timeout=1800)
     first_wave_s = time.time() - first_wave_start
+    if on_timed_start is not None:
+        on_timed_start()
     outcomes = [results.get(timeout=1800) for _ in processes]
     for process in processes:
         process.join(60)

@@ -23,13 +23,13 @@ scratch row. Padding logits are dropped. The logits of every graph are copied in
 so all graphs share one memory pool for the rest.
 
 When a shape is captured: a decode shape at its first use (the same shape then serves step after step),
-a prefill shape at its `PREFILL_CAPTURE_AFTER_USES`-th, eagerly before that. Prefill shapes are many
-(requests x new tokens x key positions buckets) and a capture costs a warm-up forward, the recorded
-forward and the graph's instantiation. Capturing each new one at once made a server whose requests arrive
-one by one spend its prefill time capturing: on an H200 (0.6B, 64 requests in flight over HTTP, 4 timed
-waves) its 19 prefills averaged 165 ms, 40% of the wall time, where one eager prefill of all 64 prompts took
-59 ms with requests submitted together. Uses are counted across cache reallocations, so a dropped shape
-that recurred is captured again at once.
+a prefill shape at its `PREFILL_CAPTURE_AT_USE`-th, eagerly before that. Prefill shapes are many (requests
+x new tokens x key positions buckets) and a capture costs a warm-up forward, the recorded forward and the
+graph's instantiation, more than the eager prefill it replaces: on an H200 (0.6B, requests arriving one by
+one over HTTP, 64 in flight) the server's prefills of a warm-up and four timed waves averaged 165 ms when
+every new shape was captured at once, where one eager prefill of 64 prompts took 59 ms. A shape that recurs
+pays back its capture; uses are counted across cache reallocations, so a dropped shape that recurred is
+captured again at once.
 
 What invalidates a graph: it reads the cache's storage and the model's parameters by address. Weight
 updates copy into the parameters in place (`weight_sync/wire.py`), so graphs survive them; a cache that
@@ -61,7 +61,7 @@ MIN_KEY_POSITIONS = 64
 MIN_PREFILL_TOKENS = 16
 MAX_PREFILL_GRAPH_TOKENS = 2048  # padded requests x new tokens: above this a prefill is compute-bound
 MAX_PREFILL_GRAPH_KEYS = 65_536  # padded requests x key positions: the keys each layer gathers
-PREFILL_CAPTURE_AFTER_USES = 3  # a prefill shape is captured once it has recurred (module docstring)
+PREFILL_CAPTURE_AT_USE = 3  # a prefill shape is captured at its third use (module docstring)
 
 
 def bucket(size: int, limit: int, minimum: int = 1) -> int:
@@ -230,7 +230,7 @@ class StepGraphs:
             replay()
             return
         self._uses[key] += 1
-        wanted = 1 if kind == "decode" else PREFILL_CAPTURE_AFTER_USES
+        wanted = 1 if kind == "decode" else PREFILL_CAPTURE_AT_USE
         if not (self.capture and self.enabled) or self._uses[key] < wanted:
             forward()
             return
