@@ -28,6 +28,16 @@ def group(prompt_len: int, completion_len: int, num: int = 3) -> list[TrainingSa
     return samples
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Graphs cached by earlier tests (they outlive their models) would count against the recompile limit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 class CountingBackend:
     """A torch.compile backend that counts the graphs it is given and runs them as traced."""
 
@@ -129,6 +139,20 @@ def test_the_trainer_compiles_the_policy_when_asked_and_by_default_only_on_cuda(
     blocks = compilable_blocks(model)
     assert len(blocks) == 11
     assert all((module._compiled_call_impl is not None) is compiled for _, module in blocks)
+
+
+def test_compiling_raises_the_recompile_limit_for_the_shared_code():
+    import torch._dynamo
+
+    from harness.training.compiled_blocks import RECOMPILE_LIMIT
+
+    previous = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        compile_blocks(build_tiny_qwen3(num_hidden_layers=1), backend=CountingBackend())
+        assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
+    finally:
+        torch._dynamo.config.recompile_limit = previous
 
 
 def test_torch_compile_is_refused_with_the_alternative():

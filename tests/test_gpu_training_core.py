@@ -352,14 +352,16 @@ def test_varlen_runs_new_row_lengths_without_compiling():
 
 def test_compiled_blocks_match_eager_in_bf16_and_new_row_lengths_reuse_the_compiled_code():
     """Inductor-compiled norms and MLPs (the trainer's default on CUDA): loss and gradients of a bf16 model
-    as close to the eager model's as bf16 allows; a row length seen before compiles nothing, and six lengths
-    compile less than twice what the first did (inductor may specialise a kernel on a size range once;
-    without dynamic shapes every length would compile all three graphs again)."""
+    as close to the eager model's as bf16 allows; a row length seen before compiles nothing, and five more
+    lengths at most four more graphs (inductor may specialise a kernel on a size range once; without
+    dynamic shapes every new length would compile all three graphs again)."""
+    import torch._dynamo
     from torch._inductor.compile_fx import compile_fx
 
     from harness.training.compiled_blocks import compile_blocks
     from harness.training.loss import LossConfig, fused_policy_loss
 
+    torch._dynamo.reset()  # graphs of earlier tests would count against the recompile limit
     compiles = []
 
     def counting_inductor(graph_module, example_inputs):
@@ -397,5 +399,5 @@ def test_compiled_blocks_match_eager_in_bf16_and_new_row_lengths_reuse_the_compi
             assert error <= 0.05 * scale, (length, name, error, scale)
         counts.append(len(compiles))
     print("graphs compiled after each row length:", counts)
-    assert counts[0] >= 3 and counts[-1] == counts[-2], counts
-    assert counts[-1] < 2 * counts[0], counts
+    assert counts[0] >= 3 and counts[-1] == counts[-2], counts  # a length seen before: nothing new
+    assert counts[-1] <= counts[0] + 4, counts  # without dynamic shapes: 3 more per new length

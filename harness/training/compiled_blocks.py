@@ -8,8 +8,12 @@ trie-shaped plan that changes with every row, which a compiled graph would have 
 
 New row lengths reuse the compiled code: the modules are compiled with dynamic shapes, so the token
 dimension is symbolic. Instances of one class share it too (nn modules are traced as inputs, not
-constants), so a 28-layer model compiles one graph per module class and shape of weight (the hidden-size
-norms, the head-dim q/k norms, the MLP), paid in the trainer's warm-up at start (about 8 s on an H200).
+constants), so a 28-layer model compiles one graph per module class and shape of weight (for Qwen3 three:
+the hidden-size norms, the head-dim q/k norms, the MLP; a Qwen3.5 hybrid four; under FSDP2 the final norm,
+sharded with the head, one more), paid in the trainer's warm-up at start (about 8 s on an H200). Those
+graphs all hang off one code object per class (`Qwen3RMSNorm.forward`), so dynamo's limit of cached
+graphs per code object (8 by default, beyond which it runs the code eagerly) is raised to
+`RECOMPILE_LIMIT`.
 Inductor may still specialise a kernel on a size range, so a row that first crosses such a bound (4,096
 tokens, say) compiles that graph once more, in about a second: a tiny model's rows of 64 to 20,000 tokens
 compiled 5 graphs in all on CPU (tests/test_gpu_training_core.py counts them on a GPU).
@@ -35,8 +39,9 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["compilable_blocks", "compile_blocks"]
+__all__ = ["RECOMPILE_LIMIT", "compilable_blocks", "compile_blocks"]
 
+RECOMPILE_LIMIT = 64  # graphs dynamo may cache per code object (module docstring)
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -55,6 +60,10 @@ def compile_blocks(model: nn.Module, *, backend: Any = "inductor") -> list[str]:
     `backend` is torch.compile's (tests pass a counting or "aot_eager" backend on CPU). Compilation itself
     happens at a module's first call.
     """
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     blocks = compilable_blocks(model)
     for _, module in blocks:
         module.compile(backend=backend, dynamic=True)
