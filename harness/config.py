@@ -220,10 +220,10 @@ class AsyncGRPOConfig(TrainingArguments):
     compile_blocks: bool | None = field(
         default=None,
         metadata=_help(
-            "Compile each decoder layer's RMSNorms and dense MLP with torch.compile (dynamic shapes: one "
-            "compilation for every row length, paid in the warm-up at start) so their elementwise work runs "
-            "fused; attention keeps its own kernels. None: on when training on a CUDA device. See "
-            "harness/training/compiled_blocks.py."
+            "Compile each decoder layer's RMSNorms and dense MLP with torch.compile (dynamic shapes, so new "
+            "row lengths reuse the compiled code; compiled in the warm-up at start) so their elementwise "
+            "work runs fused; attention keeps its own kernels. None: on when training on a CUDA device. "
+            "See harness/training/compiled_blocks.py."
         ),
     )
 

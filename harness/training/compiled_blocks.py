@@ -6,17 +6,16 @@ two multiplies; a gated MLP's `act(gate) * up` is three more. Compiling those mo
 a kernel or two. The attention is left alone: it has its own kernels (`harness.training.attention`) and a
 trie-shaped plan that changes with every row, which a compiled graph would have to guard on.
 
-New row lengths reuse the compiled code: the modules are compiled with dynamic shapes, so the token
-dimension is symbolic. Instances of one class share it too (nn modules are traced as inputs, not
-constants), so a 28-layer model compiles one graph per module class and shape of weight (for Qwen3 three:
-the hidden-size norms, the head-dim q/k norms, the MLP; a Qwen3.5 hybrid four; under FSDP2 the final norm,
-sharded with the head, one more), paid in the trainer's warm-up at start (about 8 s on an H200). Those
-graphs all hang off one code object per class (`Qwen3RMSNorm.forward`), so dynamo's limit of cached
-graphs per code object (8 by default, beyond which it runs the code eagerly) is raised to
-`RECOMPILE_LIMIT`.
-Inductor may still specialise a kernel on a size range, so a row that first crosses such a bound (4,096
-tokens, say) compiles that graph once more, in about a second: a tiny model's rows of 64 to 20,000 tokens
-compiled 5 graphs in all on CPU (tests/test_gpu_training_core.py counts them on a GPU).
+New row lengths reuse the compiled code: the modules are compiled with dynamic shapes, so the token dimension
+is symbolic. Instances of one class share it too (nn modules are traced as inputs, not constants), so a
+28-layer model compiles one graph per module class and shape of weight (for Qwen3 three: the hidden-size
+norms, the head-dim q/k norms, the MLP; a Qwen3.5 hybrid four; under FSDP2 the final norm, sharded with the
+head, one more), paid in the trainer's warm-up at start (about 8 s on an H200). Those graphs all hang off one
+code object per class (`Qwen3RMSNorm.forward`), so dynamo's limit of cached graphs per code object (8 by
+default, beyond which it runs the code eagerly) is raised to `RECOMPILE_LIMIT`. Inductor may still specialise
+a kernel on a size range, so a row that first crosses such a bound (4,096 tokens, say) compiles that graph
+once more, in about a second: a tiny model's rows of 64 to 20,000 tokens compiled 5 graphs in all on CPU
+(tests/test_gpu_training_core.py counts them on a GPU).
 
 Measured on one H200 (benchmarks/bench_packing.py --sweep, random Qwen3-1.7B, bf16, tree-packed rows, the
 same step with the compiled modules run eagerly beside it): 15-18% less time per step from 8k to 32k tokens

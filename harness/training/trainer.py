@@ -133,9 +133,7 @@ class AsyncGRPOTrainer(Trainer):
         prepare_model_for_tree_attention(model)
         compile_on = args.device.type == "cuda" if args.compile_blocks is None else args.compile_blocks
         if compile_on:  # compiled at first use: in the warm-up, before the first step
-            log.info(
-                "compile_blocks: %d norms and MLPs compiled with dynamic shapes", len(compile_blocks(model))
-            )
+            log.info("compile_blocks: %d norms and MLPs to compile at first use", len(compile_blocks(model)))
         # resolved once: a coefficient set for a dense model raises here, before anything starts
         self.router_aux_loss_coef = router_aux_loss_coef(model.config, args.router_aux_loss_coef)
 
