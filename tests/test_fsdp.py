@@ -6,8 +6,9 @@ rank forwards its row through the FSDP2-sharded tiny Qwen3 (harness/training/fsd
 reduced by FSDP2, the optimizer steps, and the weight sync gathers the full parameters in buckets to rank 0,
 which writes them into the transfer file a fake server reads. Two steps (the second with its gradient norm
 clipped): the loss, the updated weights and the gathered weights must equal one process's. Variants: tied
-embeddings with gradient checkpointing, LoRA (merged sync), bf16 mixed precision, a checkpoint saved and
-resumed under FSDP2, and two GPUs over NCCL (marked gpu).
+embeddings with gradient checkpointing, LoRA (merged sync), bf16 mixed precision, compiled norms and MLPs
+(compile_blocks, through AOTAutograd), a checkpoint saved and resumed under FSDP2, and two GPUs over NCCL
+(marked gpu).
 
 The ranks are subprocesses running this file (`python tests/test_fsdp.py RANK WORLD PORT DIR MODE`), so
 nothing depends on how pytest imports the test module.
@@ -210,6 +211,16 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, mode: str) -> None
         overrides.update(tied=True, gradient_checkpointing=True)
     if rest == ["lora"]:
         overrides.update(lora=True)
+    if rest == ["compiled"]:
+        import functools
+
+        from harness.training import trainer as trainer_module
+        from harness.training.compiled_blocks import compile_blocks
+
+        # AOTAutograd without code generation: the graphs and their interplay with FSDP2 that inductor gets,
+        # in seconds on a CPU
+        trainer_module.compile_blocks = functools.partial(compile_blocks, backend="aot_eager")
+        overrides.update(compile_blocks=True)
     output_dir = str(Path(out_dir) / "out")  # shared by the ranks, as checkpoints need
     with SERVER_THREADS:
         rank_steps(rank, world, out_dir, precision, output_dir, overrides)
@@ -253,6 +264,7 @@ def rank_steps(
             resumed_diff = max_abs_diff(after_resume["synced"], continued["synced"])
     result = {
         "steps": steps,
+        "compiled": sorted(n for n, m in model.named_modules() if m._compiled_call_impl is not None),
         "sharded": sharded,
         "optimizer_dtypes": optimizer_dtypes,
         "gathered": gathered,
@@ -411,6 +423,20 @@ def test_lora_two_gloo_processes_sync_merged_weights_like_one_process(tmp_path, 
     assert any(".lora_A." in name for name in ranks[0]["sharded"])
     measured = check_like_one_process(ranks, reference, initial_parameters, tolerance=1e-5)
     report("2 gloo ranks vs 1 process (fp32, LoRA, merged sync)", measured)
+    assert ranks[0]["resumed_diff"] == 0
+
+
+def test_compiled_blocks_two_gloo_processes_train_like_one_eager_process(
+    tmp_path, one_process, initial_parameters
+):
+    """compile_blocks before FSDP2 shards the layers (the final norm then runs FSDP's hooks inside its
+    compiled call, sharded with the head): two ranks through AOTAutograd train, sync and resume like one
+    eager process."""
+    ranks = launch(tmp_path, "fp32-cpu-compiled")
+    assert ranks[0]["compiled"] == ranks[1]["compiled"]
+    assert "model.norm" in ranks[0]["compiled"] and any(n.endswith(".mlp") for n in ranks[0]["compiled"])
+    measured = check_like_one_process(ranks, one_process, initial_parameters, tolerance=1e-5)
+    report("2 gloo ranks, compiled blocks, vs 1 eager process (fp32)", measured)
     assert ranks[0]["resumed_diff"] == 0
 
 
