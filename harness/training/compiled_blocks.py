@@ -18,7 +18,7 @@ once more, in about a second: a tiny model's rows of 64 to 20,000 tokens compile
 (tests/test_gpu_training_core.py counts them on a GPU).
 
 Measured on one H200 (benchmarks/bench_packing.py --sweep, random Qwen3-1.7B, bf16, tree-packed rows, the
-same step with the compiled modules run eagerly beside it): 15-18% less time per step from 8k to 32k tokens
+same step with the compiled modules run eagerly beside it): 14-18% less time per step from 8k to 32k tokens
 with gradient checkpointing (8% at 4k), 17-24% without, where the peak memory of a 32k row also fell from
 106.5 to 71.2 GiB (fused kernels keep fewer intermediates for the backward).
 
