@@ -20,8 +20,13 @@ def run_requests(
     *,
     adapter: Any = None,
     timeout_s: float = 60.0,
+    together: bool = False,
 ) -> list[GenerationOutput]:
-    """Submit every prompt at once (one SamplingParams for all, or one each); the outputs in prompt order."""
+    """Submit every prompt at once (one SamplingParams for all, or one each); the outputs in prompt order.
+
+    together: submit them while the engine is paused, so that all of them reach the same scheduling step
+    (otherwise the engine thread may take the first ones before the last are submitted, as it may on a
+    loaded machine)."""
     each = params if isinstance(params, list) else [params] * len(prompts)
     batch = next(_batches)
     outputs: dict[str, GenerationOutput] = {}
@@ -33,7 +38,11 @@ def run_requests(
         if len(outputs) == len(prompts):
             done.set()
 
+    if together:
+        engine.pause("keep").result(timeout_s)
     for i, (prompt, param) in enumerate(zip(prompts, each, strict=True)):
         engine.submit(prompt, param, on_done, request_id=f"{batch}-{i}", adapter=adapter)
+    if together:
+        engine.resume().result(timeout_s)
     assert done.wait(timeout_s)
     return [outputs[f"{batch}-{i}"] for i in range(len(prompts))]
