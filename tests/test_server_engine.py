@@ -1,4 +1,5 @@
-"""The engine without HTTP: preemption under a tight KV budget, and recompute after a weight change.
+"""The engine without HTTP: preemption under a tight KV budget, the cache's storage within that budget, and
+recompute after a weight change.
 
 Both paths rebuild a request's cache from its tokens; the tests check the outputs still equal a direct
 forward pass (greedy), so a recompute that dropped or shifted a position would show.
@@ -13,6 +14,7 @@ import torch
 from engine_requests import run_requests
 
 from harness.server.engine import Engine, GenerationOutput
+from harness.server.kv_cache import RowKVCache
 from harness.server.sampling import SamplingParams
 from harness.testing import build_tiny_qwen3
 
@@ -39,6 +41,7 @@ def test_a_tight_kv_budget_preempts_and_recomputes_correctly():
         max_num_seqs=4,
         kv_cache_tokens=2 * 64,
     )
+    allocations = record_allocations(engine.cache)
     engine.start()
     try:
         prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -53,7 +56,43 @@ def test_a_tight_kv_budget_preempts_and_recomputes_correctly():
         assert output.finish_reason == "length"
         assert_greedy_matches(reference, output)
     assert stats.num_preemptions > 0
+    assert max(allocations) <= 2 * 64  # the scratch row counted
     assert engine.cache.allocated_bytes == 0  # released at close
+
+
+def record_allocations(cache: RowKVCache) -> list[int]:
+    """Positions allocated after each `reserve` of `cache` (the scratch row's included)."""
+    allocations: list[int] = []
+    reserve = cache.reserve
+
+    def recording(num_rows: int, length: int) -> None:
+        reserve(num_rows, length)
+        allocations.append(cache.allocated_tokens)
+
+    cache.reserve = recording  # type: ignore[method-assign]
+    return allocations
+
+
+def test_cache_storage_stays_within_its_budget_scratch_row_included():
+    # 16,384 tokens at up to 128 positions, as the 256-request load test: the engine runs as many rows as
+    # `rows_fitting` allows at each length, and the doubling never takes the storage past the budget.
+    cache = RowKVCache(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_rows=256,
+        max_length=128,
+        capacity_tokens=16384,
+    )
+    for length in range(1, 129):
+        rows = min(256, cache.rows_fitting(length))
+        cache.reserve(rows, length)
+        assert cache.allocated_rows >= rows and cache.allocated_length >= length
+        assert cache.allocated_tokens <= 16384, (length, cache.allocated_rows, cache.allocated_length)
+    assert cache.rows_fitting(70) == 233  # 234 rows of 70 and the scratch row would take 16,450
+    assert cache.rows_fitting(16384) == 1  # one request always runs
 
 
 def test_changed_weights_are_used_for_every_token_after_the_change():

@@ -153,7 +153,7 @@ def test_keys_computed_under_an_adapter_are_not_reused_without_it(tmp_path):
 
 
 def test_the_store_stays_within_the_kv_budget_and_evicts_the_oldest():
-    engine = make_engine(build_tiny_qwen3(), prefix=True, kv_cache_tokens=600)
+    engine = make_engine(build_tiny_qwen3(), prefix=True, kv_cache_tokens=664)
     greedy = SamplingParams(max_tokens=4, temperature=0.0, num_logprobs=0)
     prompts = [[100 + 40 * k + i for i in range(40)] for k in range(6)]
     try:

@@ -153,8 +153,8 @@ class Engine:
         eos_token_ids: Tokens that end a request (unless it sets ignore_eos).
         max_num_seqs: Most requests decoded at once.
         max_num_batched_tokens: Most prompt tokens prefilled in one step (one longer prompt still goes alone).
-        kv_cache_tokens: KV budget in tokens (rows x longest sequence, and the prefix cache's store beside
-            them); at least max_model_len.
+        kv_cache_tokens: KV budget in tokens (rows x longest sequence, a scratch row among them, and the
+            prefix cache's store beside them); at least max_model_len.
         enable_prefix_caching: Reuse the keys of prompt prefixes seen before (`prefix_cache.py`).
         enforce_eager: On a CUDA device, run every forward eagerly instead of replaying decode steps from
             CUDA graphs (`cuda_graphs.py`) and small prefills too; as vLLM's --enforce-eager. CPU forwards
@@ -506,7 +506,7 @@ class Engine:
             request = self._waiting[0]
             size = len(request.tokens)
             needed = max(longest, size + 1)
-            if self._running and (len(self._running) + 1) * needed > self.cache.capacity_tokens:
+            if self._running and len(self._running) + 1 > self.cache.rows_fitting(needed):
                 break
             if admitted and size > budget:
                 break
@@ -518,10 +518,10 @@ class Engine:
             admitted += 1
 
     def _fit_budget(self) -> None:
-        """Preempt the newest requests until rows x longest sequence fits the KV budget."""
+        """Preempt the newest requests until their rows at the longest sequence fit the KV budget."""
         while len(self._running) > 1:
             longest = max(len(r.tokens) for r in self._running)
-            if len(self._running) * longest <= self.cache.capacity_tokens:
+            if len(self._running) <= self.cache.rows_fitting(longest):
                 return
             row = max(range(len(self._running)), key=lambda i: self._running[i].arrival)
             request = self._release_row(row)

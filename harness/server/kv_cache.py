@@ -15,9 +15,10 @@ runs a left-padded batch of new requests with ordinary causal attention over the
 those keys into the requests' rows; when some of them start from a prefix copied in by the prefix cache
 (`prefix_cache.py`), their queries attend over their rows (the copied positions and the fresh ones).
 Storage grows by doubling up to `max_rows x max_length`, plus one scratch row that padding tokens of the CUDA
-graphs' fixed-shape batches write to (`cuda_graphs.py`); the engine keeps `rows x longest sequence` within
-the token budget it was given (`capacity_tokens`), preempting the newest request when a step would exceed
-it.
+graphs' fixed-shape batches write to (`cuda_graphs.py`); the engine keeps `(rows + 1) x longest sequence`
+(the scratch row counted) within the token budget it was given (`capacity_tokens`), preempting the newest
+request when a step would exceed it. One request always runs: under a budget of two longest sequences, its
+row and the scratch row exceed it by at most one row.
 
 Supported models: decoder-only transformers models whose attention modules carry `layer_idx` and use the
 `AttentionInterface` (Llama, Qwen2, Qwen3, Mistral without sliding window, SmolLM2, ...) with full attention
@@ -106,8 +107,8 @@ class RowKVCache:
         dtype, device: Where the cache lives (the model's).
         max_rows: Most rows ever allocated (the engine's max_num_seqs).
         max_length: Longest sequence (max_model_len).
-        capacity_tokens: Token budget the engine keeps `rows x longest sequence` under; reported as the
-            cache size in /metrics.
+        capacity_tokens: Token budget the storage keeps within, the scratch row included (`rows_fitting`);
+            reported as the cache size in /metrics.
     """
 
     def __init__(
@@ -142,16 +143,24 @@ class RowKVCache:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @property
+    def allocated_tokens(self) -> int:
+        """Positions allocated, the scratch row's included."""
+        return (self.allocated_rows + 1) * self.allocated_length if self._keys else 0
+
+    @property
     def allocated_bytes(self) -> int:
-        rows = self.allocated_rows + 1 if self._keys else 0  # the scratch row too
-        return rows * self.allocated_length * self.bytes_per_token
+        return self.allocated_tokens * self.bytes_per_token
+
+    def rows_fitting(self, length: int) -> int:
+        """Request rows of `length` positions the budget holds beside the scratch row (at least one)."""
+        return max(1, self.capacity_tokens // length - 1)
 
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for rows 0..num_rows-1 of `length` positions, keeping what those rows hold.
 
         A dimension that must grow is doubled (so a long run reallocates O(log) times), within the row and
-        length limits and within `capacity_tokens`; the slack of the other dimension is dropped when keeping
-        it would exceed the budget.
+        length limits and within `capacity_tokens` (the scratch row counted); the slack of the other
+        dimension is dropped when keeping it would exceed the budget.
         """
         if num_rows > self.max_rows or length > self.max_length:
             raise ValueError(f"cache asked for {num_rows} rows x {length} positions, over its limits")
@@ -159,14 +168,14 @@ class RowKVCache:
             return
         new_rows = max(num_rows, self.allocated_rows)
         new_length = max(length, self.allocated_length)
-        if new_rows * new_length > self.capacity_tokens:
+        if (new_rows + 1) * new_length > self.capacity_tokens:
             new_rows, new_length = num_rows, length
         if num_rows > self.allocated_rows:
-            doubled = min(self.max_rows, max(2 * self.allocated_rows, 8), self.capacity_tokens // new_length)
+            doubled = min(self.max_rows, max(2 * self.allocated_rows, 8), self.rows_fitting(new_length))
             new_rows = max(new_rows, doubled)
         if length > self.allocated_length:
             doubled = min(
-                self.max_length, max(2 * self.allocated_length, 64), self.capacity_tokens // new_rows
+                self.max_length, max(2 * self.allocated_length, 64), self.capacity_tokens // (new_rows + 1)
             )
             new_length = max(new_length, doubled)
         # One row more than asked: the scratch row (`scratch_row`), where padding tokens write.

@@ -169,8 +169,7 @@ class PrefixCache:
 
     def room_tokens(self) -> int:
         """Tokens the store may still take within the KV budget."""
-        cache = self.cache
-        return cache.capacity_tokens - cache.allocated_rows * cache.allocated_length - self.stored_tokens
+        return self.cache.capacity_tokens - self.cache.allocated_tokens - self.stored_tokens
 
     def trim(self) -> None:
         """Evict the oldest entries until the store fits beside the row cache (after the cache grew)."""
