@@ -24,6 +24,7 @@ import torch
 
 GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
+CDF_BLOCK = 1024  # tokens per block of the two-level inverse-CDF search (`inverse_cdf`)
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,18 @@ def process_logits(
     logits_BV = logits_BV.to(torch.float32, copy=True)
     vocab_size = logits_BV.shape[-1]
     device = logits_BV.device
-    for row, params in enumerate(params_B):
-        if params.repetition_penalty != 1.0 and seen_tokens_B[row]:
-            seen = torch.tensor(sorted(set(seen_tokens_B[row])), dtype=torch.long, device=device)
-            values = logits_BV[row, seen]
-            penalty = params.repetition_penalty
-            logits_BV[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    penalised: list[tuple[int, int, float]] = [  # (row, token, penalty) for every token a row has seen
+        (row, token, params.repetition_penalty)
+        for row, params in enumerate(params_B)
+        if params.repetition_penalty != 1.0
+        for token in set(seen_tokens_B[row])
+    ]
+    if penalised:  # one copy for every row's tokens
+        rows, tokens, penalties = torch.tensor(penalised, dtype=torch.float64, device=device).unbind(dim=1)
+        rows, tokens = rows.long(), tokens.long()
+        values = logits_BV[rows, tokens]
+        penalties = penalties.float()
+        logits_BV[rows, tokens] = torch.where(values > 0, values / penalties, values * penalties)
     temperatures = [1.0 if p.greedy else max(p.temperature, MIN_TEMPERATURE) for p in params_B]
     if any(t != 1.0 for t in temperatures):
         logits_BV /= torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]
@@ -175,27 +182,20 @@ def sample_next_tokens(
     # One host-to-device copy in (each row's uniform draw, -1 for greedy rows) and one device-to-host copy
     # out (tokens, their log-probs and the top-k, packed as float64, exact for token ids): on a GPU every
     # copy is a synchronisation, and a step's sampling should cost one.
-    draws = torch.tensor(
-        [-1.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)],
-        dtype=torch.float32,
-        device=device,
-    )
-    greedy = draws < 0
-    probs_BV = logprobs_BV.exp()
-    cdf_BV = torch.cumsum(probs_BV, dim=-1)
-    # Scale the draw by the row's total mass, so rounding in the cumulative sum cannot push it past the end.
-    targets = draws.clamp(min=0) * cdf_BV[:, -1]
-    drawn = torch.searchsorted(cdf_BV, targets[:, None], right=True).clamp_(max=probs_BV.shape[-1] - 1)
-    drawn = drawn.squeeze(-1)
-    argmax = logprobs_BV.argmax(dim=-1)
-    # A draw landing on a zero-probability token can only come from float rounding at the very end of the cdf.
-    drawn_ok = probs_BV.gather(-1, drawn[:, None]).squeeze(-1) > 0
-    tokens = torch.where(greedy | ~drawn_ok, argmax, drawn)
+    uniforms = [-1.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)]
+    num_top = min(max((p.num_logprobs or 0) for p in params_B), logprobs_BV.shape[-1])
+    best_values, argmax = logprobs_BV.max(dim=-1)
+    if all(u < 0 for u in uniforms):
+        tokens = argmax
+    else:
+        draws = torch.tensor(uniforms, dtype=torch.float32, device=device)
+        tokens = torch.where(draws < 0, argmax, inverse_cdf(logprobs_BV.exp(), draws.clamp(min=0)))
     token_logprobs = logprobs_BV.gather(-1, tokens[:, None]).squeeze(-1)
     columns = [tokens.double()[:, None], token_logprobs.double()[:, None]]
-    num_top = min(max((p.num_logprobs or 0) for p in params_B), logprobs_BV.shape[-1])
-    if num_top > 0:
-        top_values, top_ids = logprobs_BV.topk(num_top, dim=-1)
+    if num_top == 1:  # the maximum already found: no top-k pass, and a greedy token is its row's top-1
+        columns += [argmax.double()[:, None], best_values.double()[:, None]]
+    elif num_top > 1:
+        top_values, top_ids = top_k(logprobs_BV, num_top)
         columns += [top_ids.double(), top_values.double()]
     packed = torch.cat(columns, dim=1).tolist()
     top_B: list[list[tuple[int, float]]] = []
@@ -204,12 +204,72 @@ def sample_next_tokens(
         ids, values = packed[row][2 : 2 + count], packed[row][2 + num_top : 2 + num_top + count]
         top_B.append([(int(i), v) for i, v in zip(ids, values, strict=True)])
     candidates_B: list[list[int] | None] = [None] * len(params_B)
-    for row, params in enumerate(params_B):
-        if params.return_sampling_mask and params.truncates:
-            candidates_B[row] = torch.isfinite(logprobs_BV[row]).nonzero().squeeze(-1).tolist()
+    masked_rows = [row for row, p in enumerate(params_B) if p.return_sampling_mask and p.truncates]
+    if masked_rows:  # one copy for all of them: each row's count, then every row's ids in row order
+        finite_MV = torch.isfinite(logprobs_BV[torch.tensor(masked_rows, device=device)])
+        counts_and_ids = torch.cat([finite_MV.sum(dim=-1), finite_MV.nonzero()[:, 1]]).tolist()
+        start = len(masked_rows)
+        for row, count in zip(masked_rows, counts_and_ids[: len(masked_rows)], strict=True):
+            candidates_B[row] = counts_and_ids[start : start + count]
+            start += count
     return SampledTokens(
         token_ids_B=[int(row[0]) for row in packed],
         logprobs_B=[row[1] for row in packed],
         top_B=top_B,
         candidates_B=candidates_B,
     )
+
+
+def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds `uniform x the row's total mass`.
+
+    Searched in two levels of `CDF_BLOCK` tokens: the block sums' cumulative sum finds the block, then a
+    cumulative sum over that block alone finds the token. A cumulative sum along the whole vocabulary is a
+    scan of 150k values per row; block sums are a plain reduction, and the two scans left are short. Scaling
+    by the total mass keeps a draw inside the distribution, and a token of zero probability is never returned:
+    where rounding puts a target at or past the end of a level's mass, its last entry of positive mass is
+    taken.
+    """
+    num_rows, vocab_size = probs_BV.shape
+    whole = vocab_size // CDF_BLOCK * CDF_BLOCK
+    sums = [probs_BV[:, :whole].reshape(num_rows, -1, CDF_BLOCK).sum(dim=-1)] if whole else []
+    if whole < vocab_size:
+        sums.append(probs_BV[:, whole:].sum(dim=-1, keepdim=True))
+    block_sums_BK = torch.cat(sums, dim=1)
+    block_cdf_BK = torch.cumsum(block_sums_BK, dim=-1)
+    targets_B1 = (uniforms_B * block_cdf_BK[:, -1])[:, None]
+    block_B1 = _first_above(block_sums_BK, block_cdf_BK, targets_B1)
+    mass_before_B1 = block_cdf_BK.gather(-1, block_B1) - block_sums_BK.gather(-1, block_B1)
+    columns_BC = block_B1 * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs_BV.device)
+    inside_BC = columns_BC < vocab_size  # the last block may be partial
+    probs_BC = probs_BV.gather(-1, columns_BC.clamp(max=vocab_size - 1)) * inside_BC
+    residual_B1 = (targets_B1 - mass_before_B1).clamp_(min=0)
+    within_B1 = _first_above(probs_BC, torch.cumsum(probs_BC, dim=-1), residual_B1)
+    return (block_B1 * CDF_BLOCK + within_B1).squeeze(-1)
+
+
+def top_k(values_BV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row, largest first, and their indices: the k largest of each block of
+    `CDF_BLOCK` first, then the k largest of those (one short selection per block and one over the
+    candidates, instead of one selection over the whole vocabulary per row)."""
+    num_rows, vocab_size = values_BV.shape
+    whole = vocab_size // CDF_BLOCK * CDF_BLOCK
+    if whole < 2 * CDF_BLOCK or k > CDF_BLOCK:
+        return values_BV.topk(k, dim=-1)
+    block_values, block_ids = values_BV[:, :whole].reshape(num_rows, -1, CDF_BLOCK).topk(k, dim=-1)
+    block_ids += torch.arange(0, whole, CDF_BLOCK, device=values_BV.device)[:, None]
+    candidates = [block_values.reshape(num_rows, -1), values_BV[:, whole:]]
+    candidate_ids = [block_ids.reshape(num_rows, -1)]
+    if whole < vocab_size:
+        tail_ids = torch.arange(whole, vocab_size, device=values_BV.device)
+        candidate_ids.append(tail_ids.expand(num_rows, -1))
+    top_values, picked = torch.cat(candidates, dim=1).topk(k, dim=-1)
+    return top_values, torch.cat(candidate_ids, dim=1).gather(-1, picked)
+
+
+def _first_above(mass_BK: torch.Tensor, cdf_BK: torch.Tensor, targets_B1: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass exceeds the target, else the last of positive mass."""
+    found_B1 = torch.searchsorted(cdf_BK, targets_B1, right=True)
+    positions_K = torch.arange(mass_BK.shape[-1], device=mass_BK.device)
+    last_positive_B1 = torch.where(mass_BK > 0, positions_K, -1).max(dim=-1, keepdim=True).values
+    return torch.minimum(found_B1, last_positive_B1)
