@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sampling.py                     # CUDA if present, else CPU
     python benchmarks/bench_sampling.py --device cpu --rows 64 256 --logprobs 1 8
+    python benchmarks/bench_sampling.py --search blocks rows   # both searches, side by side
 
 Random bf16 logits over Qwen's vocabulary (151,936), every row sampled at temperature 1 (the RL default)
 with `--logprobs` top log-probs, and an all-greedy batch for comparison. Each figure is the median of
@@ -9,10 +10,12 @@ with `--logprobs` top log-probs, and an all-greedy batch for comparison. Each fi
 device-to-host copy is one anyway). What it isolates: the part of a server step after the forward, which
 bench_engine.py reports as `_sample`.
 
-On the dev machine's CPU (idle, `--device cpu --iters 10`), sampled / greedy ms per call: 64 rows 35 / 23
-with logprobs 1, 47 / 36 with 8; 256 rows 142 / 97 and 197 / 152. The single-level search it replaced took
-65 / 65 at 64 rows and 256 / 258 at 256 (logprobs 1, measured right after on the same machine). Not yet run
-on a GPU.
+`--search` picks the inverse-CDF search: the device's own (auto), two levels of 1,024-token blocks (a
+CPU's), or one scan over each row (a GPU's). On the dev machine's CPU (idle, `--device cpu --iters 10
+--search blocks rows`), sampled ms per call with blocks / whole rows: 64 rows 40 / 85 with logprobs 1,
+49 / 93 with 8; 256 rows 156 / 338 and 191 / 380; greedy batches (no draw) 27 / 36 / 108 / 142 either way.
+On an H200 the code before `--search` existed (blocks) took 1.45 ms at 64 rows, logprobs 1, where the one
+scan it had replaced took 0.89 (2.14 against 1.04 with logprobs 8), which is why GPUs scan whole rows.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness.server import sampling
 from harness.server.sampling import RequestRandom, SamplingParams, sample_next_tokens
 from harness.testing.models import QWEN_VOCAB_SIZE
 
@@ -52,8 +56,16 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--vocab-size", type=int, default=QWEN_VOCAB_SIZE)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--search",
+        nargs="+",
+        choices=["auto", "blocks", "rows"],
+        default=["auto"],
+        help="inverse-CDF and top-k search: the device's own (auto), two-level by blocks, or whole rows",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
+    device_default = sampling.searches_by_block
     generator = torch.Generator(device=device).manual_seed(0)
     print(f"device {device}, vocabulary {args.vocab_size}, median of {args.iters} calls (ms)")
     for rows in args.rows:
@@ -61,9 +73,18 @@ def main() -> None:
         for logprobs in args.logprobs:
             sampled = [SamplingParams(temperature=1.0, num_logprobs=logprobs)] * rows
             greedy = [SamplingParams(temperature=0.0, num_logprobs=logprobs)] * rows
-            sampled_ms = time_call(device, logits, sampled, args.iters)
-            greedy_ms = time_call(device, logits, greedy, args.iters)
-            print(f"rows {rows:4d}  logprobs {logprobs}:  sampled {sampled_ms:8.2f}  greedy {greedy_ms:8.2f}")
+            for search in args.search:
+                sampling.searches_by_block = {  # type: ignore[assignment]
+                    "auto": device_default,
+                    "blocks": lambda _: True,
+                    "rows": lambda _: False,
+                }[search]
+                sampled_ms = time_call(device, logits, sampled, args.iters)
+                greedy_ms = time_call(device, logits, greedy, args.iters)
+                print(
+                    f"rows {rows:4d}  logprobs {logprobs}  search {search:6s}:  "
+                    f"sampled {sampled_ms:8.2f}  greedy {greedy_ms:8.2f}"
+                )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every draw is checked against the distribution in float64: the drawn token's interval of the cumulative
 distribution holds `uniform x total mass` (to float32 rounding), and its probability is positive. Vocabulary
-sizes straddle the search's block size (`CDF_BLOCK`), and the draws include both ends of [0, 1).
+sizes straddle the search's block size (`CDF_BLOCK`), and the draws include both ends of [0, 1). Both
+searches are checked, the two-level one (a CPU's) and the one over the whole row (a GPU's).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.server import sampling
 from harness.server.sampling import (
     CDF_BLOCK,
     RequestRandom,
@@ -17,7 +19,6 @@ from harness.server.sampling import (
     inverse_cdf,
     process_logits,
     sample_next_tokens,
-    top_k,
 )
 
 
@@ -40,20 +41,22 @@ def assert_draw_in_interval(probs_V: torch.Tensor, uniform: float, token: int) -
     assert below - 1e-5 <= target <= cdf[token].item() + 1e-5, (token, below, target, cdf[token].item())
 
 
+@pytest.mark.parametrize("blocked", [True, False])
 @pytest.mark.parametrize("vocab_size", [7, CDF_BLOCK, 3 * CDF_BLOCK + 17, 151_936])
-def test_each_draw_lands_in_its_tokens_interval(vocab_size):
+def test_each_draw_lands_in_its_tokens_interval(vocab_size, blocked):
     generator = torch.Generator().manual_seed(vocab_size)
     logits = torch.randn(48, vocab_size, generator=generator) * 3
     logits[::3, vocab_size // 2 :] = float("-inf")  # some rows with a masked tail
     probs = logits.softmax(-1)
     uniforms = torch.rand(48, generator=generator)
     uniforms[:4] = torch.tensor([0.0, 1 - 2**-24, 0.5, 1e-9])
-    tokens = inverse_cdf(probs, uniforms)
+    tokens = inverse_cdf(probs, uniforms, blocked=blocked)
     for row in range(48):
         assert_draw_in_interval(probs[row], uniforms[row].item(), int(tokens[row]))
 
 
-def test_a_draw_at_the_top_never_takes_a_masked_token():
+@pytest.mark.parametrize("blocked", [True, False])
+def test_a_draw_at_the_top_never_takes_a_masked_token(blocked):
     # Only the first 3 tokens of a block-crossing vocabulary may be drawn; a target at the very top (a uniform
     # just under 1, or at 1: where rounding can put `uniform x total`) must still take one of them.
     vocab_size = 2 * CDF_BLOCK + 5
@@ -63,11 +66,14 @@ def test_a_draw_at_the_top_never_takes_a_masked_token():
     logits[1, CDF_BLOCK - 1] = 0.0  # row 1: one token, at the end of the first block
     probs = logits.softmax(-1)
     for top in (1 - 2**-24, 1.0):
-        assert inverse_cdf(probs, torch.full((3,), top)).tolist() == [2, CDF_BLOCK - 1, 2]
-    assert inverse_cdf(probs, torch.zeros(3)).tolist() == [0, CDF_BLOCK - 1, 0]
+        found = inverse_cdf(probs, torch.full((3,), top), blocked=blocked)
+        assert found.tolist() == [2, CDF_BLOCK - 1, 2]
+    assert inverse_cdf(probs, torch.zeros(3), blocked=blocked).tolist() == [0, CDF_BLOCK - 1, 0]
 
 
-def test_sampled_rows_agree_with_the_processed_distribution_and_ignore_their_batch():
+@pytest.mark.parametrize("blocked", [True, False])
+def test_sampled_rows_agree_with_the_processed_distribution_and_ignore_their_batch(blocked, monkeypatch):
+    monkeypatch.setattr(sampling, "searches_by_block", lambda device: blocked)
     generator = torch.Generator().manual_seed(0)
     vocab_size = 5 * CDF_BLOCK + 300
     logits = torch.randn(6, vocab_size, generator=generator) * 4
@@ -114,19 +120,9 @@ def test_an_all_greedy_batch_takes_each_rows_maximum():
     assert [top[0][0] for top in out.top_B] == out.token_ids_B
 
 
-@pytest.mark.parametrize(
-    ("vocab_size", "k"), [(5 * CDF_BLOCK, 8), (151_936, 8), (151_936, 20), (3 * CDF_BLOCK + 3, 7)]
-)
-def test_top_k_by_blocks_equals_one_selection_over_the_row(vocab_size, k):
-    generator = torch.Generator().manual_seed(k)
-    values = torch.randn(9, vocab_size, generator=generator)
-    values[0, -3:] = 10.0  # the best three in the partial last block (or the last whole one)
-    values[1, :CDF_BLOCK] = 10.0 + torch.arange(CDF_BLOCK) / CDF_BLOCK  # all of them in the first block
-    found_values, found_ids = top_k(values, k)
-    expected = values.topk(k, dim=-1)
-    assert torch.equal(found_values, expected.values)
-    assert torch.equal(values.gather(-1, found_ids), found_values)
-    assert all(len(set(row)) == k for row in found_ids.tolist())
+def test_blocks_are_searched_on_a_cpu_and_whole_rows_on_a_gpu():
+    assert sampling.searches_by_block(torch.device("cpu"))
+    assert not sampling.searches_by_block(torch.device("cuda", 0))
 
 
 def test_candidate_sets_are_each_masked_rows_surviving_tokens():

@@ -189,13 +189,14 @@ def sample_next_tokens(
         tokens = argmax
     else:
         draws = torch.tensor(uniforms, dtype=torch.float32, device=device)
-        tokens = torch.where(draws < 0, argmax, inverse_cdf(logprobs_BV.exp(), draws.clamp(min=0)))
+        drawn = inverse_cdf(logprobs_BV.exp(), draws.clamp(min=0), blocked=searches_by_block(device))
+        tokens = torch.where(draws < 0, argmax, drawn)
     token_logprobs = logprobs_BV.gather(-1, tokens[:, None]).squeeze(-1)
     columns = [tokens.double()[:, None], token_logprobs.double()[:, None]]
     if num_top == 1:  # the maximum already found: no top-k pass, and a greedy token is its row's top-1
         columns += [argmax.double()[:, None], best_values.double()[:, None]]
     elif num_top > 1:
-        top_values, top_ids = top_k(logprobs_BV, num_top)
+        top_values, top_ids = logprobs_BV.topk(num_top, dim=-1)
         columns += [top_ids.double(), top_values.double()]
     packed = torch.cat(columns, dim=1).tolist()
     top_B: list[list[tuple[int, float]]] = []
@@ -220,16 +221,29 @@ def sample_next_tokens(
     )
 
 
-def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+def searches_by_block(device: torch.device) -> bool:
+    """Whether `inverse_cdf` searches in two levels of `CDF_BLOCK` tokens on this device.
+
+    On the dev machine's CPU the blocks win (a sampled step of 64 rows x 151,936 tokens: 40 ms instead of
+    85); on an H200 the one scan wins, its kernels being few and the blocks' many (0.89 ms instead of 1.45).
+    `python benchmarks/bench_sampling.py --search blocks rows` measures both.
+    """
+    return device.type == "cpu"
+
+
+def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor, *, blocked: bool = True) -> torch.Tensor:
     """Per row, the first token whose cumulative probability exceeds `uniform x the row's total mass`.
 
-    Searched in two levels of `CDF_BLOCK` tokens: the block sums' cumulative sum finds the block, then a
-    cumulative sum over that block alone finds the token. A cumulative sum along the whole vocabulary is a
-    scan of 150k values per row; block sums are a plain reduction, and the two scans left are short. Scaling
-    by the total mass keeps a draw inside the distribution, and a token of zero probability is never returned:
-    where rounding puts a target at or past the end of a level's mass, its last entry of positive mass is
-    taken.
+    `blocked` searches in two levels of `CDF_BLOCK` tokens: the block sums' cumulative sum finds the block,
+    then a cumulative sum over that block alone finds the token (a cumulative sum along the whole vocabulary
+    is a scan of 150k values per row, slow on a CPU; block sums are a plain reduction, and the two scans left
+    are short). Otherwise one cumulative sum over the row is searched. Scaling by the total mass keeps a draw
+    inside the distribution, and a token of zero probability is never returned: where rounding puts a target
+    at or past the end of a level's mass, its last entry of positive mass is taken.
     """
+    if not blocked:
+        cdf_BV = torch.cumsum(probs_BV, dim=-1)
+        return _first_above(probs_BV, cdf_BV, (uniforms_B * cdf_BV[:, -1])[:, None]).squeeze(-1)
     num_rows, vocab_size = probs_BV.shape
     whole = vocab_size // CDF_BLOCK * CDF_BLOCK
     sums = [probs_BV[:, :whole].reshape(num_rows, -1, CDF_BLOCK).sum(dim=-1)] if whole else []
@@ -246,25 +260,6 @@ def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tenso
     residual_B1 = (targets_B1 - mass_before_B1).clamp_(min=0)
     within_B1 = _first_above(probs_BC, torch.cumsum(probs_BC, dim=-1), residual_B1)
     return (block_B1 * CDF_BLOCK + within_B1).squeeze(-1)
-
-
-def top_k(values_BV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values of each row, largest first, and their indices: the k largest of each block of
-    `CDF_BLOCK` first, then the k largest of those (one short selection per block and one over the
-    candidates, instead of one selection over the whole vocabulary per row)."""
-    num_rows, vocab_size = values_BV.shape
-    whole = vocab_size // CDF_BLOCK * CDF_BLOCK
-    if whole < 2 * CDF_BLOCK or k > CDF_BLOCK:
-        return values_BV.topk(k, dim=-1)
-    block_values, block_ids = values_BV[:, :whole].reshape(num_rows, -1, CDF_BLOCK).topk(k, dim=-1)
-    block_ids += torch.arange(0, whole, CDF_BLOCK, device=values_BV.device)[:, None]
-    candidates = [block_values.reshape(num_rows, -1), values_BV[:, whole:]]
-    candidate_ids = [block_ids.reshape(num_rows, -1)]
-    if whole < vocab_size:
-        tail_ids = torch.arange(whole, vocab_size, device=values_BV.device)
-        candidate_ids.append(tail_ids.expand(num_rows, -1))
-    top_values, picked = torch.cat(candidates, dim=1).topk(k, dim=-1)
-    return top_values, torch.cat(candidate_ids, dim=1).gather(-1, picked)
 
 
 def _first_above(mass_BK: torch.Tensor, cdf_BK: torch.Tensor, targets_B1: torch.Tensor) -> torch.Tensor:
