@@ -17,7 +17,7 @@ from harness.server.sampling import (
     RequestRandom,
     SamplingParams,
     inverse_cdf,
-    process_logits,
+    processed_logprobs,
     sample_next_tokens,
 )
 
@@ -157,7 +157,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
         SamplingParams(repetition_penalty=0.5),
     ]
     seen = [[0, 1, 1, 0], [0, 1], [4]]
-    processed = process_logits(logits, params, seen)
+    processed = processed_logprobs(logits, params, seen)
     expected = torch.tensor(
         [[1.0, -2.0, 0.5, 3.0, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 2.0]]
     )

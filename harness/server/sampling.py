@@ -114,10 +114,17 @@ class SampledTokens:
     candidates_B: list[list[int] | None]
 
 
-def process_logits(
+def processed_logprobs(
     logits_BV: torch.Tensor, params_B: list[SamplingParams], seen_tokens_B: list[list[int]]
 ) -> torch.Tensor:
     """The processed log-probs [B, V] (float32) of each row's sampling distribution; see the module doc."""
+    return torch.log_softmax(processed_logits(logits_BV, params_B, seen_tokens_B), dim=-1)
+
+
+def processed_logits(
+    logits_BV: torch.Tensor, params_B: list[SamplingParams], seen_tokens_B: list[list[int]]
+) -> torch.Tensor:
+    """A float32 copy of the logits after each row's repetition penalty, temperature and masks (-inf)."""
     logits_BV = logits_BV.to(torch.float32, copy=True)
     vocab_size = logits_BV.shape[-1]
     device = logits_BV.device
@@ -151,7 +158,7 @@ def process_logits(
             top_k=[params_B[r].top_k if params_B[r].top_k > 0 else vocab_size for r in truncated_rows],
             top_p=[params_B[r].top_p for r in truncated_rows],
         )
-    return torch.log_softmax(logits_BV, dim=-1)
+    return logits_BV
 
 
 def _top_k_top_p(logits_RV: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -177,27 +184,32 @@ def sample_next_tokens(
     seen_tokens_B: list[list[int]],
 ) -> SampledTokens:
     """Process each row's logits, draw its next token and collect the log-probs it asked for."""
-    logprobs_BV = process_logits(logits_BV, params_B, seen_tokens_B)
-    device = logprobs_BV.device
+    logits_BV = processed_logits(logits_BV, params_B, seen_tokens_B)
+    device = logits_BV.device
     # One host-to-device copy in (each row's uniform draw, -1 for greedy rows) and one device-to-host copy
     # out (tokens, their log-probs and the top-k, packed as float64, exact for token ids): on a GPU every
     # copy is a synchronisation, and a step's sampling should cost one.
     uniforms = [-1.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)]
-    num_top = min(max((p.num_logprobs or 0) for p in params_B), logprobs_BV.shape[-1])
-    best_values, argmax = logprobs_BV.max(dim=-1)
+    num_top = min(max((p.num_logprobs or 0) for p in params_B), logits_BV.shape[-1])
+    # A log-prob is a logit minus its row's log-partition, found as log_softmax finds it (the maximum plus
+    # the log of the sum of exp(logit - maximum)), so only the log-probs reported are ever formed, and the
+    # draw searches the unnormalised weights exp(logit - maximum).
+    best_B, argmax_B = logits_BV.max(dim=-1)
+    weights_BV = (logits_BV - best_B[:, None]).exp_()
+    log_total_B = best_B + weights_BV.sum(dim=-1).log()
     if all(u < 0 for u in uniforms):
-        tokens = argmax
+        tokens = argmax_B
     else:
         draws = torch.tensor(uniforms, dtype=torch.float32, device=device)
-        drawn = inverse_cdf(logprobs_BV.exp(), draws.clamp(min=0), blocked=searches_by_block(device))
-        tokens = torch.where(draws < 0, argmax, drawn)
-    token_logprobs = logprobs_BV.gather(-1, tokens[:, None]).squeeze(-1)
+        drawn = inverse_cdf(weights_BV, draws.clamp(min=0), blocked=searches_by_block(device))
+        tokens = torch.where(draws < 0, argmax_B, drawn)
+    token_logprobs = logits_BV.gather(-1, tokens[:, None]).squeeze(-1) - log_total_B
     columns = [tokens.double()[:, None], token_logprobs.double()[:, None]]
     if num_top == 1:  # the maximum already found: no top-k pass, and a greedy token is its row's top-1
-        columns += [argmax.double()[:, None], best_values.double()[:, None]]
+        columns += [argmax_B.double()[:, None], (best_B - log_total_B).double()[:, None]]
     elif num_top > 1:
-        top_values, top_ids = logprobs_BV.topk(num_top, dim=-1)
-        columns += [top_ids.double(), top_values.double()]
+        top_values, top_ids = logits_BV.topk(num_top, dim=-1)
+        columns += [top_ids.double(), (top_values - log_total_B[:, None]).double()]
     packed = torch.cat(columns, dim=1).tolist()
     top_B: list[list[tuple[int, float]]] = []
     for row, params in enumerate(params_B):
@@ -207,7 +219,7 @@ def sample_next_tokens(
     candidates_B: list[list[int] | None] = [None] * len(params_B)
     masked_rows = [row for row, p in enumerate(params_B) if p.return_sampling_mask and p.truncates]
     if masked_rows:  # one copy for all of them: each row's count, then every row's ids in row order
-        finite_MV = torch.isfinite(logprobs_BV[torch.tensor(masked_rows, device=device)])
+        finite_MV = torch.isfinite(logits_BV[torch.tensor(masked_rows, device=device)])
         counts_and_ids = torch.cat([finite_MV.sum(dim=-1), finite_MV.nonzero()[:, 1]]).tolist()
         start = len(masked_rows)
         for row, count in zip(masked_rows, counts_and_ids[: len(masked_rows)], strict=True):
