@@ -216,12 +216,46 @@ def test_retire_stores_a_copy_that_outlives_the_row():
     index = PrefixCache(cache)
     request = _Running(list(range(20)))
     keys = torch.arange(20 * 2, dtype=torch.float32).reshape(1, 20, 2)
-    cache.load_row(0, [keys], [keys + 1000], 20)
+    cache.load_row(0, torch.stack([keys, keys + 1000])[:, None], 20)
     index.add_running(request)
     index.retire(request, row=0)
-    cache.load_row(0, [torch.zeros(1, 20, 2)], [torch.zeros(1, 20, 2)], 20)  # the row is reused
+    cache.load_row(0, torch.zeros(2, 1, 1, 20, 2), 20)  # the row is reused
     hit = index.lookup([*list(range(20)), 5], None)
     assert isinstance(hit.source, StoredPrefix) and hit.length == 20
-    assert torch.equal(hit.source.keys[0], keys) and torch.equal(hit.source.values[0], keys + 1000)
+    stored_keys, stored_values = hit.source.keys_and_values[:, 0]
+    assert torch.equal(stored_keys, keys) and torch.equal(stored_values, keys + 1000)
     index.clear()
     assert index.lookup([*list(range(20)), 5], None).length == 0 and index.stored_tokens == 0
+
+
+def test_row_copies_keep_each_layers_keys_and_values_in_place():
+    # Several layers and heads, keys and values distinct everywhere: copy_row, load_row and move_row must
+    # carry each (keys or values, layer) slice to the same place, and only the positions asked for.
+    cache = RowKVCache(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_rows=4,
+        max_length=16,
+        capacity_tokens=1024,
+    )
+    cache.reserve(3, 16)
+    filled = torch.arange(2 * 3 * 3 * 2 * 16 * 4, dtype=torch.float32).reshape(2, 3, 3, 2, 16, 4)
+    cache.load_row(0, filled[:, :, 0], 16)
+    cache.load_row(1, filled[:, :, 1], 16)
+    for layer in range(3):
+        keys, values = cache.rows(layer, 2, 16)
+        assert torch.equal(keys, filled[0, layer, :2]) and torch.equal(values, filled[1, layer, :2])
+    stored = cache.copy_row(1, 5)
+    assert stored.shape == (2, 3, 2, 5, 4) and torch.equal(stored, filled[:, :, 1, :, :5])
+    cache.move_row(0, 2, 7)  # compaction: row 0's first 7 positions into row 2
+    cache.load_row(0, stored, 5)  # row 0 now starts with row 1's first 5 positions
+    for layer in range(3):
+        keys, values = cache.rows(layer, 3, 16)
+        for kind, got in enumerate((keys, values)):
+            assert torch.equal(got[0, :, :5], filled[kind, layer, 1, :, :5])
+            assert torch.equal(got[0, :, 5:], filled[kind, layer, 0, :, 5:])  # past the copy: untouched
+            assert torch.equal(got[2, :, :7], filled[kind, layer, 0, :, :7])
+            assert not got[2, :, 7:].any()

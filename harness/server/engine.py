@@ -665,7 +665,7 @@ class Engine:
         beside rows the cache may just have grown."""
         for row, hit in chosen:
             if isinstance(hit.source, StoredPrefix):
-                self.cache.load_row(row, hit.source.keys, hit.source.values, hit.length)
+                self.cache.load_row(row, hit.source.keys_and_values, hit.length)
             elif hit.source is not None:
                 self.cache.move_row(self._row_of(hit.source), row, hit.length)
         if self.prefix_cache is not None:

@@ -202,22 +202,33 @@ class RowKVCache:
         graphs' fixed shapes) write their keys here, where nothing reads them as a request's."""
         return self.allocated_rows
 
+    # A row spans 2 x layers tensors: the three row copies below go through one `_foreach_copy_` (one call
+    # from Python, one allocation for a stored copy) rather than a copy per tensor, which on a GPU cost ~30 us
+    # each (the 56 of a 28-layer model: 1.7 ms for every request that finished).
+
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of row `source` into row `target` (compaction)."""
-        for store in (self._keys, self._values):
-            for layer in range(self.num_layers):
-                store[layer][target, :, :length] = store[layer][source, :, :length]
+        torch._foreach_copy_(self._row_views(target, length), self._row_views(source, length))
 
-    def copy_row(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Copies of the first `length` positions of `row`, per layer [kv_heads, length, head_dim]."""
-        keys = [store[row, :, :length].clone() for store in self._keys]
-        return keys, [store[row, :, :length].clone() for store in self._values]
+    def copy_row(self, row: int, length: int) -> torch.Tensor:
+        """A copy of the first `length` positions of `row`: [2 (keys, values), layers, kv_heads, length,
+        head_dim]."""
+        copy = torch.empty(
+            (2, self.num_layers, self.num_kv_heads, length, self.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        torch._foreach_copy_(list(copy.flatten(0, 1).unbind()), self._row_views(row, length))
+        return copy
 
-    def load_row(self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
-        """Write the first `length` positions of per-layer keys and values (as from `copy_row`) into `row`."""
-        for layer in range(self.num_layers):
-            self._keys[layer][row, :, :length] = keys[layer][:, :length]
-            self._values[layer][row, :, :length] = values[layer][:, :length]
+    def load_row(self, row: int, keys_and_values: torch.Tensor, length: int) -> None:
+        """Write the first `length` positions of keys and values shaped as `copy_row` returns into `row`."""
+        sources = list(keys_and_values[..., :length, :].flatten(0, 1).unbind())
+        torch._foreach_copy_(self._row_views(row, length), sources)
+
+    def _row_views(self, row: int, length: int) -> list[torch.Tensor]:
+        """Every layer's keys, then every layer's values, of `row`'s first `length` positions."""
+        return [store[row, :, :length] for store in (*self._keys, *self._values)]
 
     def gather(self, layer: int, rows_B: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the rows `rows_B`, positions 0..length-1: [B, kv_heads, length, head_dim]."""

@@ -48,12 +48,11 @@ class Source(Protocol):
 
 @dataclass(eq=False)
 class StoredPrefix:
-    """A finished request's keys and values: per layer [kv_heads, len(tokens), head_dim]."""
+    """A finished request's keys and values: [2 (keys, values), layers, kv_heads, len(tokens), head_dim]."""
 
     tokens: list[int]
     adapter: Any
-    keys: list[torch.Tensor] = field(repr=False)
-    values: list[torch.Tensor] = field(repr=False)
+    keys_and_values: torch.Tensor = field(repr=False)
 
     @property
     def num_cached(self) -> int:
@@ -141,9 +140,10 @@ class PrefixCache:
         self._evict_until(length)
         if self.room_tokens() < length:
             return
-        keys, values = self.cache.copy_row(row, length)
         entry = StoredPrefix(
-            tokens=request.tokens[:length], adapter=request.adapter, keys=keys, values=values
+            tokens=request.tokens[:length],
+            adapter=request.adapter,
+            keys_and_values=self.cache.copy_row(row, length),
         )
         self._stored[id(entry)] = entry
         self.stored_tokens += length
