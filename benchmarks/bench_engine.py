@@ -20,7 +20,8 @@ the HTTP process then shares its CPU with.
 own seed, logprobs=1; a warm-up wave, then 4 timed waves); the step parts are then counted without device
 synchronisation (which would slow the server), so their times are host times. Comparing the two shows what
 serving over HTTP changes: how many prefills the staggered arrivals cause, and what they cost.
-`--compile-blocks` compiles the model's norms and MLPs first (harness/training/compiled_blocks.py);
+`--compile-blocks` compiles the model's norms and MLPs first (harness/compiled_blocks.py; the server does by
+default on a GPU, this benchmark only with the flag, in both modes);
 `--scheduler-delay-factor F` gives the HTTP mode's engine that admission delay.
 
 One H200 run (random Qwen3-0.6B, bf16, 128-token prompts, 128 new tokens), tokens/s at 64 / 256 in flight:
@@ -162,6 +163,7 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
         max_num_seqs=256,
         kv_cache_tokens=256 * 1024,  # as run() gives the engine alone
         enforce_eager=args.eager,
+        compile_blocks=False,  # main() compiled them already if --compile-blocks
         scheduler_delay_factor=args.scheduler_delay_factor,
     )
     state = ServerState.from_model(model, config)
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = build_model(args.preset, args.device)
     if args.compile_blocks:
-        from harness.training.compiled_blocks import compile_blocks
+        from harness.compiled_blocks import compile_blocks
 
         compile_blocks(model)
     if args.http:

@@ -28,7 +28,7 @@ token, in one pass) -> backward. Reported:
 turn re-rendered the end of the first (they fork). Each workload runs three ways on the same samples with the
 same fused head: (a) tree-packed (the default attention backend: varlen in bf16, full-attention layers as a
 cascade over the row in place; on a GPU each layer's norms and MLP compiled, as the trainer does there:
-harness/training/compiled_blocks.py, `--no-compile` to leave them eager), (b) our unpacked padding-free
+harness/compiled_blocks.py, `--no-compile` to leave them eager), (b) our unpacked padding-free
 row, (c) a plain transformers model with its stock SDPA attention on the samples as a padded batch, all
 eager, the head applied to its hidden states at the same tokens. For each:
 the first call (compilation included), the steady step (median), trained and forwarded
@@ -56,10 +56,10 @@ from typing import Any
 
 import torch
 
+from harness.compiled_blocks import compile_blocks
 from harness.packing import PackedRow, batch_metrics, pack_row, plan_micro_batches
 from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
 from harness.training.attention import packed_forward, prepare_model_for_tree_attention
-from harness.training.compiled_blocks import compile_blocks
 from harness.training.flops import peak_flops
 from harness.training.logprobs import (
     _mixed_precision_matmul_works,

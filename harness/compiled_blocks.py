@@ -29,7 +29,11 @@ adapter: PEFT's dispatch over active adapters would be guarded on and retraced a
 weight sync), the experts of a mixture-of-experts layer, and the gated RMSNorms of DeltaNet layers.
 
 Who calls it: the trainer, once, after tree attention is prepared and before FSDP2 shards the layers
-(`AsyncGRPOConfig.compile_blocks`: on by default on a CUDA device); benchmarks/bench_packing.py.
+(`AsyncGRPOConfig.compile_blocks`: on by default on a CUDA device); the built-in server before its engine
+starts (`ServerConfig.compile_blocks`: on by default on a CUDA device, off with `--enforce-eager`), where the
+fused kernels are then replayed inside its CUDA graphs, and where MLPs stay eager when LoRA adapters may be
+loaded (their forward hooks go on the MLPs' projections, after the compile); benchmarks/bench_packing.py and
+bench_engine.py.
 """
 
 from __future__ import annotations
@@ -53,17 +57,17 @@ def compilable_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def compile_blocks(model: nn.Module, *, backend: Any = "inductor") -> list[str]:
+def compile_blocks(model: nn.Module, *, backend: Any = "inductor", mlps: bool = True) -> list[str]:
     """Compile every block `compilable_blocks` finds, in place, with dynamic shapes; returns their names.
 
-    `backend` is torch.compile's (tests pass a counting or "aot_eager" backend on CPU). Compilation itself
-    happens at a module's first call.
+    `backend` is torch.compile's (tests pass a counting or "aot_eager" backend on CPU); `mlps=False` compiles
+    the norms only. Compilation itself happens at a module's first call.
     """
     import torch._dynamo
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    blocks = compilable_blocks(model)
+    blocks = [(name, module) for name, module in compilable_blocks(model) if mlps or _is_rms_norm(module)]
     for _, module in blocks:
         module.compile(backend=backend, dynamic=True)
     return [name for name, _ in blocks]

@@ -223,7 +223,7 @@ class AsyncGRPOConfig(TrainingArguments):
             "Compile each decoder layer's RMSNorms and dense MLP with torch.compile (dynamic shapes, so new "
             "row lengths reuse the compiled code; compiled in the warm-up at start) so their elementwise "
             "work runs fused; attention keeps its own kernels. None: on when training on a CUDA device. "
-            "See harness/training/compiled_blocks.py."
+            "See harness/compiled_blocks.py."
         ),
     )
 

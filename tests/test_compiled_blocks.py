@@ -1,17 +1,18 @@
-"""Compiled blocks (harness/training/compiled_blocks.py): which modules are compiled, one compilation for
+"""Compiled blocks (harness/compiled_blocks.py): which modules are compiled, one compilation for
 every row length, and the same loss and gradients as the eager model. On CPU the graphs run through
 AOTAutograd without code generation (backend "aot_eager" or a counting backend); the inductor path runs in
-tests/test_gpu_training_core.py."""
+tests/test_gpu_training_core.py. The built-in server's choice of modules is checked here; its compiled forward
+against a direct one in tests/test_server_gpu.py (compiled by default on a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness.compiled_blocks import compilable_blocks, compile_blocks
 from harness.packing import pack_row
 from harness.testing import build_tiny_qwen3, build_tiny_qwen3_5, build_tiny_qwen3_moe
 from harness.training.attention import packed_forward, prepare_model_for_tree_attention
-from harness.training.compiled_blocks import compilable_blocks, compile_blocks
 from harness.training.logprobs import row_logprobs
 from harness.types import TrainingSample, TrainingSequence
 
@@ -144,7 +145,7 @@ def test_the_trainer_compiles_the_policy_when_asked_and_by_default_only_on_cuda(
 def test_compiling_raises_the_recompile_limit_for_the_shared_code():
     import torch._dynamo
 
-    from harness.training.compiled_blocks import RECOMPILE_LIMIT
+    from harness.compiled_blocks import RECOMPILE_LIMIT
 
     previous = torch._dynamo.config.recompile_limit
     try:
@@ -160,3 +161,40 @@ def test_torch_compile_is_refused_with_the_alternative():
 
     with pytest.raises(ValueError, match=r"torch_compile=True is not supported.*compile_blocks"):
         AsyncGRPOConfig(output_dir="/tmp/unused", torch_compile=True, report_to="none")
+
+
+@pytest.mark.parametrize(
+    ("value", "enable_lora", "norms", "mlps"),
+    [
+        (None, False, False, False),
+        (True, False, True, True),
+        (True, True, True, False),
+        (False, True, False, False),
+    ],
+)
+def test_the_server_compiles_its_blocks_when_asked_and_keeps_lora_mlps_eager(value, enable_lora, norms, mlps):
+    # None is "on a GPU unless enforce_eager": off here, on CPU. With LoRA the adapters' hooks go on the MLPs'
+    # projections after the compile, so those MLPs stay eager; the norms are never adapted.
+    from harness.server.state import ServerConfig, ServerState
+
+    model = build_tiny_qwen3(num_hidden_layers=2)
+    config = ServerConfig(model="tiny", max_model_len=64, compile_blocks=value, enable_lora=enable_lora)
+    state = ServerState.from_model(model, config)  # modules compile at their first call
+    try:
+        for name, module in compilable_blocks(model):
+            expected = norms if name.endswith("norm") else mlps
+            assert (module._compiled_call_impl is not None) is expected, name
+    finally:
+        state.close()
+
+
+def test_the_serve_command_passes_compile_blocks_through():
+    import argparse
+
+    from harness.server.cli import _configure_parser
+
+    parser = argparse.ArgumentParser()
+    _configure_parser(parser)
+    assert parser.parse_args(["m"]).compile_blocks is None
+    assert parser.parse_args(["m", "--compile-blocks"]).compile_blocks is True
+    assert parser.parse_args(["m", "--no-compile-blocks"]).compile_blocks is False

@@ -214,8 +214,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, mode: str) -> None
     if rest == ["compiled"]:
         import functools
 
+        from harness.compiled_blocks import compile_blocks
         from harness.training import trainer as trainer_module
-        from harness.training.compiled_blocks import compile_blocks
 
         # AOTAutograd without code generation: the graphs and their interplay with FSDP2 that inductor gets,
         # in seconds on a CPU

@@ -358,7 +358,7 @@ def test_compiled_blocks_match_eager_in_bf16_and_new_row_lengths_reuse_the_compi
     import torch._dynamo
     from torch._inductor.compile_fx import compile_fx
 
-    from harness.training.compiled_blocks import compile_blocks
+    from harness.compiled_blocks import compile_blocks
     from harness.training.loss import LossConfig, fused_policy_loss
 
     torch._dynamo.reset()  # graphs of earlier tests would count against the recompile limit

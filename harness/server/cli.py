@@ -67,6 +67,13 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         help="on a GPU, run every forward eagerly instead of replaying decode steps from CUDA graphs",
     )
     parser.add_argument(
+        "--compile-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile each decoder layer's norms and MLPs (default: on a GPU unless --enforce-eager; with "
+        "--enable-lora the MLPs stay eager)",
+    )
+    parser.add_argument(
         "--scheduler-delay-factor",
         type=float,
         default=0.0,
@@ -128,6 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
+            compile_blocks=args.compile_blocks,
             scheduler_delay_factor=args.scheduler_delay_factor,
             max_logprobs=args.max_logprobs,
             enable_lora=args.enable_lora,

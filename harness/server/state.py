@@ -57,6 +57,9 @@ class ServerConfig:
     """Reuse the keys of prompt prefixes seen before (a group's shared prompt, earlier turns), as vLLM."""
     enforce_eager: bool = False
     """On a GPU, run every forward eagerly instead of replaying decode steps from CUDA graphs, as vLLM."""
+    compile_blocks: bool | None = None
+    """Compile each decoder layer's norms and MLPs (`harness/compiled_blocks.py`: fused kernels, replayed
+    inside the CUDA graphs); None: on a GPU unless enforce_eager. With enable_lora the MLPs stay eager."""
     scheduler_delay_factor: float = 0.0
     """While rows decode, admit waiting requests once the oldest has waited this many times a recent
     prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0: at every step."""
@@ -143,6 +146,13 @@ class ServerState:
         kv_cache_tokens = config.kv_cache_tokens or default_kv_cache_tokens(
             model, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
         )
+        if config.compile_blocks or (
+            config.compile_blocks is None and model.device.type == "cuda" and not config.enforce_eager
+        ):
+            from harness.compiled_blocks import compile_blocks
+
+            compiled = compile_blocks(model, mlps=not config.enable_lora)
+            logger.info("compiling %d norms and MLPs at their first forward", len(compiled))
         engine = Engine(
             model,
             max_model_len=max_model_len,

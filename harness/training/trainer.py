@@ -50,6 +50,7 @@ from transformers import AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import TrainOutput
 
 from environments.routing import check_routes, resolve_environments
+from harness.compiled_blocks import compile_blocks
 from harness.config import AsyncGRPOConfig
 from harness.generation.client_thread import ClientThread
 from harness.generation.router import server_urls
@@ -66,7 +67,6 @@ from harness.training.checkpointing import (
     checkpoint_directory,
     load_weights_before_sharding,
 )
-from harness.training.compiled_blocks import compile_blocks
 from harness.training.flops import device_peak_flops, training_flops
 from harness.training.generation_side import generation_server, open_weight_sync, start_rollout_worker
 from harness.training.ledger import PromptLedger
