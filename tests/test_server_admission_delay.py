@@ -8,12 +8,13 @@ import time
 from collections import deque
 
 import pytest
+import torch
 from engine_requests import run_requests
 from test_server_engine import assert_greedy_matches
 
 from harness.server.engine import Engine, GenerationOutput
 from harness.server.sampling import SamplingParams
-from harness.server.state import ServerConfig
+from harness.server.state import ServerConfig, ServerState, default_delay_factor
 from harness.testing import build_tiny_qwen3
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, num_logprobs=0)
@@ -147,3 +148,17 @@ def test_a_negative_or_nan_factor_is_refused_with_its_name(factor):
         ServerConfig(model="m", scheduler_delay_factor=factor)
     with pytest.raises(ValueError, match="scheduler_delay_factor must be >= 0"):
         new_engine(factor)
+
+
+def test_the_server_delays_admission_by_default_on_a_gpu_only():
+    assert default_delay_factor(None, torch.device("cuda", 0)) == 1.0
+    assert default_delay_factor(None, torch.device("cpu")) == 0.0
+    assert default_delay_factor(0.0, torch.device("cuda", 0)) == 0.0  # an explicit 0 turns it off
+    for factor, expected in ((None, 0.0), (0.5, 0.5)):
+        state = ServerState.from_model(
+            build_tiny_qwen3(), ServerConfig(model="m", scheduler_delay_factor=factor)
+        )
+        try:
+            assert state.engine.scheduler_delay_factor == expected
+        finally:
+            state.close()

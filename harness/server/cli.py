@@ -76,10 +76,10 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheduler-delay-factor",
         type=float,
-        default=0.0,
+        default=None,
         metavar="F",
         help="while requests decode, admit new ones once the oldest has waited F x a recent prefill's "
-        "time, so arrivals share a prefill (default: 0, at every step)",
+        "time, so arrivals share a prefill; 0 admits at every step (default: 1 on a GPU, 0 on a CPU)",
     )
     parser.add_argument(
         "--max-logprobs", type=int, default=20, help="largest top-k logprobs per token (default: 20)"

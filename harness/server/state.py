@@ -60,9 +60,10 @@ class ServerConfig:
     compile_blocks: bool | None = None
     """Compile each decoder layer's norms and MLPs (`harness/compiled_blocks.py`: fused kernels, replayed
     inside the CUDA graphs); None: on a GPU unless enforce_eager. With enable_lora the MLPs stay eager."""
-    scheduler_delay_factor: float = 0.0
+    scheduler_delay_factor: float | None = None
     """While rows decode, admit waiting requests once the oldest has waited this many times a recent
-    prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0: at every step."""
+    prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0: at every step;
+    None: 1 on a GPU (where a prefill's cost is mostly per forward, not per token), 0 on a CPU."""
     max_logprobs: int = 20
     """Largest `logprobs` (top-k per token) a request may ask for."""
     enable_lora: bool = False
@@ -82,10 +83,19 @@ class ServerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.scheduler_delay_factor >= 0:
+        if self.scheduler_delay_factor is not None and not self.scheduler_delay_factor >= 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
+
+
+def default_delay_factor(factor: float | None, device: torch.device) -> float:
+    """The admission delay a server uses: the one given, else 1 on a GPU and 0 elsewhere. On one H100 and
+    one H200 (random Qwen3-0.6B, 64 and 256 requests in flight over HTTP) a factor of 1 gave 3-42% more
+    tokens/s than 0 in each of three runs (README, "Generation servers")."""
+    if factor is not None:
+        return factor
+    return 1.0 if device.type == "cuda" else 0.0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -162,7 +172,7 @@ class ServerState:
             kv_cache_tokens=kv_cache_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager,
-            scheduler_delay_factor=config.scheduler_delay_factor,
+            scheduler_delay_factor=default_delay_factor(config.scheduler_delay_factor, model.device),
         )
         engine.start()
         logger.info(
