@@ -12,10 +12,12 @@ bench_engine.py reports as `_sample`.
 
 `--search` picks the inverse-CDF search: the device's own (auto), two levels of 1,024-token blocks (a
 CPU's), or one scan over each row (a GPU's). On the dev machine's CPU (idle, `--device cpu --iters 10
---search blocks rows`), sampled ms per call with blocks / whole rows: 64 rows 40 / 85 with logprobs 1,
-49 / 93 with 8; 256 rows 156 / 338 and 191 / 380; greedy batches (no draw) 27 / 36 / 108 / 142 either way.
-On an H200 the code before `--search` existed (blocks) took 1.45 ms at 64 rows, logprobs 1, where the one
-scan it had replaced took 0.89 (2.14 against 1.04 with logprobs 8), which is why GPUs scan whole rows.
+--search blocks rows`), sampled ms per call with blocks / whole rows: 64 rows 32 / 74 with logprobs 1,
+41 / 85 with 8; 256 rows 130 / 308 and 168 / 368; greedy batches (no draw) 29 / 39 / 116-121 / 150-157
+either way. On an H100 (`--search auto blocks rows`, median of 20): 64 rows 0.84 / 1.17 / 0.82 with
+logprobs 1, 1.16 / 1.48 / 1.17 with 8; 256 rows 1.90 / 1.94 / 1.89 and 3.02 / 2.99 / 3.00; greedy 0.43 /
+0.72 / 1.04-1.06 / 2.04-2.94. On an H200 the code before `--search` existed (blocks, and top log-probs
+block by block) took 1.45 ms at 64 rows, logprobs 1, where the one scan it had replaced took 0.89.
 """
 
 from __future__ import annotations

@@ -236,8 +236,8 @@ def sample_next_tokens(
 def searches_by_block(device: torch.device) -> bool:
     """Whether `inverse_cdf` searches in two levels of `CDF_BLOCK` tokens on this device.
 
-    On the dev machine's CPU the blocks win (a sampled step of 64 rows x 151,936 tokens: 40 ms instead of
-    85); on an H200 the one scan wins, its kernels being few and the blocks' many (0.89 ms instead of 1.45).
+    On the dev machine's CPU the blocks win (a sampled step of 64 rows x 151,936 tokens: 32 ms instead of
+    74); on an H100 the one scan wins, its kernels being few and the blocks' many (0.82 ms instead of 1.17).
     `python benchmarks/bench_sampling.py --search blocks rows` measures both.
     """
     return device.type == "cpu"
