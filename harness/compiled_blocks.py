@@ -30,10 +30,10 @@ weight sync), the experts of a mixture-of-experts layer, and the gated RMSNorms 
 
 Who calls it: the trainer, once, after tree attention is prepared and before FSDP2 shards the layers
 (`AsyncGRPOConfig.compile_blocks`: on by default on a CUDA device); the built-in server before its engine
-starts (`ServerConfig.compile_blocks`: on by default on a CUDA device, off with `--enforce-eager`), where the
-fused kernels are then replayed inside its CUDA graphs, and where MLPs stay eager when LoRA adapters may be
-loaded (their forward hooks go on the MLPs' projections, after the compile); benchmarks/bench_packing.py and
-bench_engine.py.
+starts (`ServerConfig.compile_blocks`: on by default on a CUDA device, off with `--enforce-eager`; compiled
+in the engine's warm-up, `Engine.warm_up`), whose CUDA graphs then replay the fused kernels, and whose MLPs
+stay eager when LoRA adapters may be loaded (their forward hooks go on the MLPs' projections, after the
+compile); benchmarks/bench_packing.py and bench_engine.py.
 """
 
 from __future__ import annotations

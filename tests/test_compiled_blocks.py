@@ -198,3 +198,67 @@ def test_the_serve_command_passes_compile_blocks_through():
     assert parser.parse_args(["m"]).compile_blocks is None
     assert parser.parse_args(["m", "--compile-blocks"]).compile_blocks is True
     assert parser.parse_args(["m", "--no-compile-blocks"]).compile_blocks is False
+
+
+@pytest.mark.parametrize("warm_up", [True, False])
+def test_the_engines_warm_up_compiles_every_shape_its_requests_take(warm_up):
+    # Dynamic shapes specialise sizes of 1: one row and several, one new token (decode) and several (prefill).
+    # After the warm-up, requests alone and together, short and long, compile nothing more; without it the
+    # first requests do the compiling (the mutation check: the same requests then add graphs).
+    from engine_requests import run_requests
+
+    from harness.server.engine import Engine
+    from harness.server.sampling import SamplingParams
+
+    model = build_tiny_qwen3(num_hidden_layers=2)
+    backend = CountingBackend()
+    compile_blocks(model, backend=backend)
+    engine = Engine(model, max_model_len=128, eos_token_ids=[], max_num_seqs=8, kv_cache_tokens=8 * 128)
+    if warm_up:
+        assert engine.warm_up() > 0 and engine.cache.allocated_tokens == 0
+    warmed = backend.num_graphs
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        run_requests(engine, [[5, 6, 7]], params)
+        run_requests(engine, [[9] * 40, [3, 4], [8] * 11], params, together=True)
+        run_requests(engine, [[2]], params)
+    finally:
+        engine.close()
+    assert (backend.num_graphs == warmed) is warm_up, (warmed, backend.num_graphs)
+
+
+def test_a_compile_that_fails_in_the_warm_up_names_the_flag_that_avoids_it(monkeypatch):
+    from harness.server.engine import Engine
+    from harness.server.state import ServerConfig, ServerState
+
+    def fail(self):
+        raise RuntimeError("inductor could not compile")
+
+    monkeypatch.setattr(Engine, "warm_up", fail)
+    with pytest.raises(RuntimeError, match="--no-compile-blocks"):
+        ServerState.from_model(build_tiny_qwen3(), ServerConfig(model="tiny", compile_blocks=True))
+
+
+@pytest.mark.slow
+def test_a_server_compiled_with_inductor_answers_as_the_eager_one():
+    # The real compiler on CPU (the GPU test runs it on CUDA): the warm-up compiles, then greedy tokens and
+    # their log-probs equal those of the same model served eagerly.
+    from engine_requests import run_requests
+
+    from harness.server.sampling import SamplingParams
+    from harness.server.state import ServerConfig, ServerState
+
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 61)), [3]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, num_logprobs=0)
+    outputs = {}
+    for compiled in (False, True):
+        config = ServerConfig(model="tiny", max_model_len=128, compile_blocks=compiled)
+        state = ServerState.from_model(build_tiny_qwen3(), config)
+        try:
+            outputs[compiled] = run_requests(state.engine, prompts, params)
+        finally:
+            state.close()
+    for eager, compiled in zip(outputs[False], outputs[True], strict=True):
+        assert compiled.output_ids == eager.output_ids
+        assert compiled.logprobs == pytest.approx(eager.logprobs, abs=1e-5)

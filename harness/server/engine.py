@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
-from harness.server.cuda_graphs import StepGraphs
+from harness.server.cuda_graphs import MIN_PREFILL_TOKENS, StepGraphs
 from harness.server.kv_cache import (
     ATTN_IMPLEMENTATION,
     ForwardBatch,
@@ -245,6 +245,27 @@ class Engine:
         if not self._started:
             self._started = True
             self._thread.start()
+
+    def warm_up(self) -> float:
+        """Before `start`: run one prefill and one decode forward of 1 and of 2 rows, so that modules compiled
+        with dynamic shapes (`harness/compiled_blocks.py`) compile before the first request rather than
+        during it. Dynamic shapes still specialise a size of 1, so rows of 1 and of 2 (and prefills of 16
+        tokens, decode steps of 1) cover the shapes the engine's forwards take. The forwards run eagerly
+        (no graph is captured) on rows the first request overwrites; the cache is released after. Returns
+        the seconds it took."""
+        if self._started:
+            raise RuntimeError("warm_up() runs before start(), on the caller's thread")
+        started = time.perf_counter()
+        forwards = StepGraphs(self.model, self.cache, capture=False)
+        num_tokens = min(MIN_PREFILL_TOKENS, self.max_model_len - 1)
+        with torch.inference_mode():
+            for num_rows in range(1, min(2, self.cache.max_rows) + 1):
+                self.cache.reserve(num_rows, num_tokens + 1)
+                rows = list(range(num_rows))
+                forwards.prefill(rows, [[0] * num_tokens] * num_rows, [0] * num_rows)
+                forwards.decode([0] * num_rows, [num_tokens + 1] * num_rows)
+        self.cache.release()
+        return time.perf_counter() - started
 
     def close(self) -> None:
         """Stop after the current step, abort whatever is pending, join the thread (idempotent)."""

@@ -59,7 +59,8 @@ class ServerConfig:
     """On a GPU, run every forward eagerly instead of replaying decode steps from CUDA graphs, as vLLM."""
     compile_blocks: bool | None = None
     """Compile each decoder layer's norms and MLPs (`harness/compiled_blocks.py`: fused kernels, replayed
-    inside the CUDA graphs); None: on a GPU unless enforce_eager. With enable_lora the MLPs stay eager."""
+    inside the CUDA graphs), in a warm-up before the server answers; None: on a GPU unless enforce_eager.
+    With enable_lora the MLPs stay eager."""
     scheduler_delay_factor: float | None = None
     """While rows decode, admit waiting requests once the oldest has waited this many times a recent
     prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0: at every step;
@@ -162,7 +163,8 @@ class ServerState:
             from harness.compiled_blocks import compile_blocks
 
             compiled = compile_blocks(model, mlps=not config.enable_lora)
-            logger.info("compiling %d norms and MLPs at their first forward", len(compiled))
+        else:
+            compiled = []
         engine = Engine(
             model,
             max_model_len=max_model_len,
@@ -174,6 +176,16 @@ class ServerState:
             enforce_eager=config.enforce_eager,
             scheduler_delay_factor=default_delay_factor(config.scheduler_delay_factor, model.device),
         )
+        if compiled:
+            try:
+                seconds = engine.warm_up()
+            except Exception as exc:
+                engine.close()
+                raise RuntimeError(
+                    f"compiling the model's norms and MLPs failed in the engine's warm-up ({exc!r}); serve "
+                    "with --no-compile-blocks (ServerConfig.compile_blocks=False) to run them eagerly"
+                ) from exc
+            logger.info("compiled %d norms and MLPs in a warm-up of %.1f s", len(compiled), seconds)
         engine.start()
         logger.info(
             "engine ready: %s on %s (%s%s), max_model_len %d, KV budget %d tokens, max_num_seqs %d",
