@@ -2,18 +2,23 @@
 
     python benchmarks/bench_engine.py                       # a GPU: random Qwen3-0.6B shape, bf16
     python benchmarks/bench_engine.py --eager               # the same with --enforce-eager's engine
+    python benchmarks/bench_engine.py --no-async-scheduling # each decode step read before the next
     python benchmarks/bench_engine.py --device cpu --preset tiny --concurrency 8 --max-tokens 16  # smoke
     python benchmarks/bench_engine.py --http                # the same engine behind its HTTP server
     python benchmarks/bench_engine.py --compile-blocks      # norms and MLPs compiled (the trainer's default)
 
 Requests are submitted in-process, all C of a wave at once (each ~`--prompt-len` random tokens, exactly
 `--max-tokens` new ones, temperature 1, logprobs=1), three waves per concurrency; the first includes the
-CUDA graph captures. Each of the engine's step parts is timed with a device synchronisation around it
-(which the engine itself does not do, so the parts cost a little more here than in a server): `_step` (a
-whole scheduling step), `_prefill` and `_decode` (each including its sampling), `_sample`, and the graphs'
-own `prefill` and `decode` (their replay, inputs copied in). Printed per wave: tokens/s and (calls, mean
-ms, total s) per part. What it shows beside benchmarks/bench_serving.py: the engine's own ceiling, which
-the HTTP process then shares its CPU with.
+CUDA graph captures. Each of the engine's step parts is timed: `_step` (a whole scheduling step),
+`_prefill` and `_decode` (the forward and its sampling: with async scheduling a `_decode` only launches its
+step), `_decode_ahead` (launch the next decode step, then read the one in flight), `_collect` (read a step's
+tokens and end the finished requests), and the graphs' own `prefill` and `decode` (inputs copied in, the
+replay launched). With `--no-async-scheduling` each part is timed with a device synchronisation around it
+(which the engine itself does not do, so the parts cost a little more here than in a server); with async
+scheduling (the default, as the server on a GPU) the times are host times, since a synchronisation would
+undo the overlap being measured. Printed per wave: tokens/s and (calls, mean ms, total s) per part. What it
+shows beside benchmarks/bench_serving.py: the engine's own ceiling, which the HTTP process then shares its
+CPU with.
 
 `--http` serves the engine instead through the built-in HTTP server on a thread of this process
 (`EmbeddedServer`, as tests do) and loads it with bench_serving.py's client processes (4, each request its
@@ -121,13 +126,16 @@ def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
         max_num_seqs=256,
         kv_cache_tokens=256 * 1024,
         enforce_eager=args.eager,
+        async_scheduling=args.async_scheduling,
     )
     timers: dict[str, list[float]] = collections.defaultdict(list)
-    for name in ("_prefill", "_decode", "_sample", "_step"):
-        timed(engine, name, timers, model.device)
+    # A synchronisation around each part would undo the overlap of async scheduling: host times then.
+    timing_device = torch.device("cpu") if args.async_scheduling else model.device
+    for name in ("_prefill", "_decode", "_decode_ahead", "_collect", "_step"):
+        timed(engine, name, timers, timing_device)
     if engine.graphs is not None:
         for name in ("decode", "prefill"):
-            timed(engine.graphs, name, timers, model.device)
+            timed(engine.graphs, name, timers, timing_device)
     engine.start()
     rng = random.Random(0)
     try:
@@ -138,13 +146,16 @@ def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
             seconds = run_wave(engine, prompts, args.max_tokens)
             parts = summary(timers)
             print(
-                f"eager={args.eager} C={concurrency} wave {wave}: "
+                f"eager={args.eager} ahead={args.async_scheduling} C={concurrency} wave {wave}: "
                 f"{concurrency * args.max_tokens / seconds:.0f} tok/s, {seconds:.2f} s; "
                 f"(calls, mean ms, total s): {parts}",
                 flush=True,
             )
         if engine.graphs is not None:
-            print(f"graphs: {engine.graphs.num_captures} captured, forwards {engine.graphs.num_forwards}")
+            print(
+                f"graphs: {engine.graphs.num_captures} captured, forwards {engine.graphs.num_forwards}, "
+                f"{engine.num_steps_ahead} decode steps launched ahead"
+            )
     finally:
         engine.close()
         model.set_attn_implementation("sdpa")
@@ -165,10 +176,11 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
         enforce_eager=args.eager,
         compile_blocks=False,  # main() compiled them already if --compile-blocks
         scheduler_delay_factor=args.scheduler_delay_factor,
+        async_scheduling=args.async_scheduling,
     )
     state = ServerState.from_model(model, config)
     timers: dict[str, list[float]] = collections.defaultdict(list)
-    for name in ("_prefill", "_decode", "_sample", "_step"):
+    for name in ("_prefill", "_decode", "_decode_ahead", "_collect", "_step"):
         timed(state.engine, name, timers, torch.device("cpu"))  # host times: no device synchronisation
     load = argparse.Namespace(
         client_processes=4, prompt_len=args.prompt_len, max_tokens=args.max_tokens, waves=4
@@ -183,7 +195,8 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
             row = bench_serving.measure(server.base_url, concurrency, load, on_timed_start=clear)
             parts = summary(timers)
             print(
-                f"HTTP eager={args.eager} delay={args.scheduler_delay_factor} C={concurrency}: "
+                f"HTTP eager={args.eager} ahead={args.async_scheduling} delay={args.scheduler_delay_factor} "
+                f"C={concurrency}: "
                 f"{row['tokens_per_s']:.0f} tok/s over "
                 f"{row['wall_s']:.1f} s (first wave {row['first_wave_s']:.1f} s); (calls, mean ms, total s) "
                 f"since the warm-up wave: {parts}",
@@ -200,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch each decode step before reading the previous one (default: on)",
+    )
     parser.add_argument("--http", action="store_true", help="behind the HTTP server, with client processes")
     parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
     parser.add_argument(

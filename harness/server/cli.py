@@ -82,6 +82,13 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         "time, so arrivals share a prefill; 0 admits at every step (default: 1 on a GPU, 0 on a CPU)",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode step before reading the previous one's tokens (default: on a GPU unless "
+        "--enforce-eager)",
+    )
+    parser.add_argument(
         "--max-logprobs", type=int, default=20, help="largest top-k logprobs per token (default: 20)"
     )
     parser.add_argument("--enable-lora", action="store_true", help="accept LoRA adapters at run time")
@@ -137,6 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             compile_blocks=args.compile_blocks,
             scheduler_delay_factor=args.scheduler_delay_factor,
+            async_scheduling=args.async_scheduling,
             max_logprobs=args.max_logprobs,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness.server.device_copies import to_device
 from harness.server.kv_cache import ForwardBatch, RowKVCache, forward_context
 
 if TYPE_CHECKING:
@@ -105,20 +106,26 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ decode
 
-    def decode(self, token_ids: list[int], lengths: list[int]) -> torch.Tensor:
+    def decode(self, token_ids: list[int] | torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Logits [n, vocab] of one decode step: row i's token `token_ids[i]` stored at position
         `lengths[i] - 1` of cache row i and attending over positions 0..lengths[i]-1.
 
-        The cache must hold rows 0..n-1 and max(lengths) positions (the engine's `reserve`). The result is a
-        view of a buffer the next forward overwrites.
+        `token_ids` may be a tensor on the device (the tokens a sampling step queued before it has been
+        read), which is copied in on the device: nothing here waits for the GPU. The cache must hold rows
+        0..n-1 and max(lengths) positions (the engine's `reserve`). The result is a view of a buffer the
+        next forward overwrites.
         """
-        num_rows = len(token_ids)
+        num_rows = len(lengths)
         self._drop_stale()
         rows = bucket(num_rows, self.cache.allocated_rows)
         key_positions = bucket(max(lengths), self.cache.allocated_length, MIN_KEY_POSITIONS)
         padding = rows - num_rows
-        host_2R = torch.tensor([token_ids + [0] * padding, lengths + [1] * padding], dtype=torch.long)
-        self._decode_2R[:, :rows].copy_(host_2R, non_blocking=True)
+        on_device = isinstance(token_ids, torch.Tensor)
+        host_tokens = [0] * num_rows if on_device else list(token_ids)
+        host_2R = [host_tokens + [0] * padding, lengths + [1] * padding]
+        self._decode_2R[:, :rows].copy_(to_device(host_2R, torch.long, self._decode_2R.device))
+        if on_device:
+            self._decode_2R[0, :num_rows].copy_(token_ids)
         self._replay("decode", (rows, key_positions), lambda: self._decode_forward(rows, key_positions))
         return self._logits_RV[:num_rows]
 

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 
 from harness.server.cuda_graphs import MIN_PREFILL_TOKENS, StepGraphs
+from harness.server.device_copies import to_device
 from harness.server.kv_cache import (
     ATTN_IMPLEMENTATION,
     ForwardBatch,
@@ -65,7 +66,7 @@ from harness.server.kv_cache import (
     register_attention,
 )
 from harness.server.prefix_cache import MISS, PrefixCache, PrefixHit, StoredPrefix
-from harness.server.sampling import RequestRandom, SamplingParams, sample_next_tokens
+from harness.server.sampling import PendingSample, RequestRandom, SamplingParams, launch_sampling
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -148,11 +149,20 @@ class _Request:
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[tuple[int, float]]] = field(default_factory=list)
     output_candidates: list[list[int]] = field(default_factory=list)
-    num_cached: int = 0  # positions whose keys are in the cache row
+    num_cached: int = 0  # positions whose keys are in the cache row (or will be, once queued work runs)
+    finished: bool = False
 
     @property
     def num_output(self) -> int:
         return len(self.tokens) - len(self.prompt_ids)
+
+
+@dataclass(eq=False)
+class _StepInFlight:
+    """A decode step queued on the device and not yet read: its requests in row order at launch."""
+
+    requests: list[_Request]
+    sample: PendingSample
 
 
 class Engine:
@@ -172,6 +182,9 @@ class Engine:
             are always eager.
         scheduler_delay_factor: While rows are decoding, admit waiting requests only once the oldest has
             waited this many times a prefill's duration (module docstring); 0 admits at every step.
+        async_scheduling: Launch each decode step before reading the one before it, so the host's work on
+            a step's results overlaps the device's next step (module docstring; vLLM's --async-scheduling).
+            Only decode steps replayed through `StepGraphs` go ahead; others run as before.
     """
 
     def __init__(
@@ -186,6 +199,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         scheduler_delay_factor: float = 0.0,
+        async_scheduling: bool = False,
     ) -> None:
         check_model_supported(model)
         if not scheduler_delay_factor >= 0:
@@ -203,6 +217,9 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduler_delay_factor = scheduler_delay_factor
+        self.async_scheduling = async_scheduling
+        self.num_steps_ahead = 0  # decode steps launched before the previous one was read
+        self._in_flight: _StepInFlight | None = None
         self._prefill_s: deque[float] = deque(maxlen=8)  # wall time of recent prefills (forward, sampling)
         self.eos_token_ids = frozenset(eos_token_ids)
         num_layers, num_kv_heads, head_dim = attention_shape(model)
@@ -408,6 +425,7 @@ class Engine:
                         self._draining.set_result(None)
                         self._draining = None
                     if self._paused or not (self._running or self._waiting):
+                        self._drain()
                         self._publish_stats()
                         self._wake.wait(timeout=1.0)
                         continue
@@ -421,6 +439,12 @@ class Engine:
 
     def _shutdown(self) -> None:
         self._closing = True
+        if self._in_flight is not None:  # its results are dropped: every request ends as aborted below
+            try:
+                self._in_flight.sample.wait()
+            except Exception:  # a device that failed: the requests still end below
+                logger.exception("the decode step in flight failed at shutdown")
+            self._in_flight = None
         self._take_inbox()
         pending = [*self._running, *self._waiting]
         self._running.clear()
@@ -442,6 +466,8 @@ class Engine:
         self._publish_stats()
 
     def _run_commands(self) -> None:
+        if not self._commands.empty():
+            self._drain()  # a command may change the weights, the rows or the cache: none may be in flight
         while True:
             try:
                 fn, future = self._commands.get_nowait()
@@ -466,6 +492,7 @@ class Engine:
             ids, self._abort_ids = self._abort_ids, set()
         if not ids:
             return
+        self._drain()
         for request in [r for r in self._waiting if r.id in ids]:
             self._waiting.remove(request)
             self._finish(request, "abort")
@@ -497,6 +524,11 @@ class Engine:
     # ------------------------------------------------------------------ scheduling
 
     def _step(self) -> None:
+        if self._in_flight is not None:
+            if self._can_decode_ahead():
+                self._decode_ahead()
+                return
+            self._drain()
         self._admit()
         self._fit_budget()
         to_prefill = [row for row, r in enumerate(self._running) if r.num_cached == 0]
@@ -634,7 +666,7 @@ class Engine:
                 self._counters.num_prefix_cache_queries += len(request.tokens)
                 self._counters.num_prefix_cache_hits += start
                 self.prefix_cache.add_running(request)
-        self._sample(entries, logits)
+        self._sample([request for _, request in entries], logits)
 
     def _eager_prefill(
         self,
@@ -705,15 +737,73 @@ class Engine:
         # are rewritten by that prefill, and their logits are ignored here.
         ready = [row for row, r in enumerate(requests) if r.num_cached == len(r.tokens) - 1]
         lora_groups = self._lora_groups(requests)
-        if self.graphs is not None and not lora_groups:
+        graphed = self.graphs is not None and not lora_groups
+        if self.graphs is not None and graphed:
             logits = self.graphs.decode([r.tokens[-1] for r in requests], lengths)
         else:
             logits = self._eager_decode(requests, lengths, lora_groups)
         for row in ready:
             requests[row].num_cached = len(requests[row].tokens)
-        self._sample(
-            [(row, requests[row]) for row in ready], logits[ready] if len(ready) < num_rows else logits
-        )
+        if len(ready) == num_rows and graphed and self._may_go_ahead(requests):
+            self._in_flight = _StepInFlight(requests, self._launch_sample(requests, logits))
+            return
+        ready_requests = [requests[row] for row in ready]
+        self._sample(ready_requests, logits[ready] if len(ready) < num_rows else logits)
+
+    # ------------------------------------------------------------------ async scheduling
+
+    def _may_go_ahead(self, requests: list[_Request]) -> bool:
+        """Whether the next decode step of these requests may be launched before this one is read: the
+        engine schedules ahead, and no request's next logits depend on the tokens not yet read (the
+        repetition penalty reads them on the host)."""
+        return self.async_scheduling and all(r.params.repetition_penalty == 1.0 for r in requests)
+
+    def _can_decode_ahead(self) -> bool:
+        """Whether the step in flight can be followed at once by the next decode step of the same rows.
+
+        Anything that changes the rows, the cache's storage or what a request needs from the host first
+        waits for the step in flight: admissions, preemption, a cache that must grow, commands and aborts
+        (those two drain on their own).
+        """
+        assert self._in_flight is not None
+        if self._draining is not None or self._paused or self.graphs is None or not self.graphs.enabled:
+            return False
+        num_rows = len(self._running)
+        if not num_rows:
+            return False
+        if self._waiting and num_rows < self.max_num_seqs and not self._delaying_admission():
+            return False
+        longest = max(len(r.tokens) for r in self._running) + 1  # with the token in flight
+        return num_rows <= self.cache.rows_fitting(longest) and self.cache.holds(num_rows, longest)
+
+    def _decode_ahead(self) -> None:
+        """Launch the next decode step from the sampled tokens of the step in flight, still on the device,
+        then read the step in flight (its finished requests leave; their token from the new step is
+        dropped when that step is read)."""
+        previous = self._in_flight
+        assert previous is not None and self.graphs is not None
+        requests = list(self._running)
+        tokens = previous.sample.token_ids_B
+        # The rows are those of the step in flight, less the requests its reading ended (their rows refilled
+        # by the last ones): each takes its token from where it sat in that step.
+        if len(requests) != len(previous.requests) or any(
+            a is not b for a, b in zip(requests, previous.requests, strict=True)
+        ):
+            position = {id(r): i for i, r in enumerate(previous.requests)}
+            tokens = tokens[to_device([position[id(r)] for r in requests], torch.long, self.device)]
+        lengths = [len(r.tokens) + 1 for r in requests]
+        logits = self.graphs.decode(tokens, lengths)
+        for request, length in zip(requests, lengths, strict=True):
+            request.num_cached = length
+        self._in_flight = _StepInFlight(requests, self._launch_sample(requests, logits))
+        self.num_steps_ahead += 1
+        self._collect(previous.requests, previous.sample)
+
+    def _drain(self) -> None:
+        """Read the step in flight, if any."""
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._collect(previous.requests, previous.sample)
 
     def _eager_decode(
         self, requests: list[_Request], lengths: list[int], lora_groups: list[tuple[Any, torch.Tensor]]
@@ -744,16 +834,25 @@ class Engine:
             )
         return output.logits[:, -1]
 
-    def _sample(self, rows_and_requests: list[tuple[int, _Request]], logits: torch.Tensor) -> None:
-        requests = [request for _, request in rows_and_requests]
-        sampled = sample_next_tokens(
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
+        self._collect(requests, self._launch_sample(requests, logits))
+
+    def _launch_sample(self, requests: list[_Request], logits: torch.Tensor) -> PendingSample:
+        return launch_sampling(
             logits,
             [r.params for r in requests],
             [r.random for r in requests],
             [r.tokens if r.params.repetition_penalty != 1.0 else [] for r in requests],
         )
-        finished_rows: list[int] = []
-        for i, (row, request) in enumerate(rows_and_requests):
+
+    def _collect(self, requests: list[_Request], pending: PendingSample) -> None:
+        """Append each request's sampled token (and log-probs), then end those that are done. A request that
+        ended after this step was launched (a step ahead) gets nothing: that token is past its end."""
+        sampled = pending.result()
+        finished: list[_Request] = []
+        for i, request in enumerate(requests):
+            if request.finished:
+                continue
             token = sampled.token_ids_B[i]
             request.tokens.append(token)
             self._counters.num_generation_tokens += 1
@@ -764,8 +863,11 @@ class Engine:
             if candidates is not None:
                 request.output_candidates.append(candidates)
             if self._stop_reason(request, token) is not None:
-                finished_rows.append(row)
-        for row in sorted(finished_rows, reverse=True):
+                finished.append(request)
+        if not finished:
+            return
+        row_of = {id(r): row for row, r in enumerate(self._running)}
+        for row in sorted((row_of[id(r)] for r in finished), reverse=True):
             if self.prefix_cache is not None:  # keep its keys before the row is refilled
                 self.prefix_cache.retire(self._running[row], row)
             request = self._release_row(row)
@@ -784,6 +886,7 @@ class Engine:
         return None
 
     def _finish(self, request: _Request, reason: FinishReason, stop_reason: int | None = None) -> None:
+        request.finished = True
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request)
         self._counters.num_finished[reason] += 1

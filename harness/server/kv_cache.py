@@ -155,6 +155,10 @@ class RowKVCache:
         """Request rows of `length` positions the budget holds beside the scratch row (at least one)."""
         return max(1, self.capacity_tokens // length - 1)
 
+    def holds(self, num_rows: int, length: int) -> bool:
+        """Whether rows 0..num_rows-1 of `length` positions fit the storage as allocated (no reserve)."""
+        return num_rows <= self.allocated_rows and length <= self.allocated_length
+
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for rows 0..num_rows-1 of `length` positions, keeping what those rows hold.
 
@@ -164,7 +168,7 @@ class RowKVCache:
         """
         if num_rows > self.max_rows or length > self.max_length:
             raise ValueError(f"cache asked for {num_rows} rows x {length} positions, over its limits")
-        if num_rows <= self.allocated_rows and length <= self.allocated_length:
+        if self.holds(num_rows, length):
             return
         new_rows = max(num_rows, self.allocated_rows)
         new_length = max(length, self.allocated_length)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.server.device_copies import to_device
+
 GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
 CDF_BLOCK = 1024  # tokens per block of the two-level inverse-CDF search (`inverse_cdf`)
@@ -135,24 +137,24 @@ def processed_logits(
         for token in set(seen_tokens_B[row])
     ]
     if penalised:  # one copy for every row's tokens
-        rows, tokens, penalties = torch.tensor(penalised, dtype=torch.float64, device=device).unbind(dim=1)
+        rows, tokens, penalties = to_device(penalised, torch.float64, device).unbind(dim=1)
         rows, tokens = rows.long(), tokens.long()
         values = logits_BV[rows, tokens]
         penalties = penalties.float()
         logits_BV[rows, tokens] = torch.where(values > 0, values / penalties, values * penalties)
     temperatures = [1.0 if p.greedy else max(p.temperature, MIN_TEMPERATURE) for p in params_B]
     if any(t != 1.0 for t in temperatures):
-        logits_BV /= torch.tensor(temperatures, dtype=torch.float32, device=device)[:, None]
+        logits_BV /= to_device(temperatures, torch.float32, device)[:, None]
     min_p_rows = [row for row, p in enumerate(params_B) if p.min_p > 0]
     if min_p_rows:
-        index = torch.tensor(min_p_rows, device=device)
+        index = to_device(min_p_rows, torch.long, device)
         probs = torch.softmax(logits_BV[index], dim=-1)
-        threshold = torch.tensor([params_B[r].min_p for r in min_p_rows], device=device)[:, None]
+        threshold = to_device([params_B[r].min_p for r in min_p_rows], torch.float32, device)[:, None]
         drop = probs < threshold * probs.max(dim=-1, keepdim=True).values
         logits_BV[index] = logits_BV[index].masked_fill(drop, float("-inf"))
     truncated_rows = [row for row, p in enumerate(params_B) if p.top_k > 0 or p.top_p < 1.0]
     if truncated_rows:
-        index = torch.tensor(truncated_rows, device=device)
+        index = to_device(truncated_rows, torch.long, device)
         logits_BV[index] = _top_k_top_p(
             logits_BV[index],
             top_k=[params_B[r].top_k if params_B[r].top_k > 0 else vocab_size for r in truncated_rows],
@@ -166,13 +168,13 @@ def _top_k_top_p(logits_RV: torch.Tensor, top_k: list[int], top_p: list[float]) 
     device = logits_RV.device
     sorted_logits, order = logits_RV.sort(dim=-1, descending=True)
     ranks = torch.arange(logits_RV.shape[-1], device=device)[None, :]
-    k = torch.tensor(top_k, device=device)[:, None]
+    k = to_device(top_k, torch.long, device)[:, None]
     sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # A token stays while the mass of the tokens ranked above it is below p: the smallest prefix reaching p
     # survives, and the most likely token always does.
     mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    p = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
+    p = to_device(top_p, torch.float32, device)[:, None]
     sorted_logits = sorted_logits.masked_fill(mass_above >= p, float("-inf"))
     return torch.empty_like(logits_RV).scatter_(-1, order, sorted_logits)
 
@@ -184,11 +186,86 @@ def sample_next_tokens(
     seen_tokens_B: list[list[int]],
 ) -> SampledTokens:
     """Process each row's logits, draw its next token and collect the log-probs it asked for."""
+    return launch_sampling(logits_BV, params_B, randoms_B, seen_tokens_B).result()
+
+
+class PendingSample:
+    """One sampling step queued on the device, read with `result()`.
+
+    `token_ids_B` (on the device) can feed the next forward before the host has read anything: that is how
+    the engine launches a decode step ahead (`Engine`'s async scheduling). On a GPU the packed results travel
+    to pinned host memory by an asynchronous copy followed by an event, so `result()` waits for this step
+    only, not for work queued after it.
+    """
+
+    def __init__(
+        self,
+        token_ids_B: torch.Tensor,
+        packed_BC: torch.Tensor,
+        num_top: int,
+        params_B: list[SamplingParams],
+        finite_MV: torch.Tensor | None,
+    ) -> None:
+        self.token_ids_B = token_ids_B
+        self._num_top = num_top
+        self._params_B = params_B
+        self._finite_MV = finite_MV  # rows asking for their candidate set: which tokens stayed finite
+        self._packed_BC = packed_BC
+        self._event: torch.cuda.Event | None = None
+        if packed_BC.device.type == "cuda":
+            self._packed_BC = torch.empty(packed_BC.shape, dtype=packed_BC.dtype, pin_memory=True)
+            self._packed_BC.copy_(packed_BC, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        """Block until the step's results are on the host."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def result(self) -> SampledTokens:
+        self.wait()
+        packed = self._packed_BC.tolist()
+        num_top = self._num_top
+        top_B: list[list[tuple[int, float]]] = []
+        for row, params in enumerate(self._params_B):
+            count = params.num_logprobs or 0
+            if count == 0:
+                top_B.append([])
+            elif count == 1:
+                top_B.append([(int(packed[row][2]), packed[row][2 + num_top])])
+            else:
+                ids, values = packed[row][2 : 2 + count], packed[row][2 + num_top : 2 + num_top + count]
+                top_B.append([(int(i), v) for i, v in zip(ids, values, strict=True)])
+        candidates_B: list[list[int] | None] = [None] * len(self._params_B)
+        masked_rows = masked_rows_of(self._params_B)
+        finite_MV = self._finite_MV
+        if finite_MV is not None:  # one copy for all of them: each row's count, then their ids
+            counts_and_ids = torch.cat([finite_MV.sum(dim=-1), finite_MV.nonzero()[:, 1]]).tolist()
+            start = len(masked_rows)
+            for row, count in zip(masked_rows, counts_and_ids[: len(masked_rows)], strict=True):
+                candidates_B[row] = counts_and_ids[start : start + count]
+                start += count
+        return SampledTokens(
+            token_ids_B=[int(row[0]) for row in packed],
+            logprobs_B=[row[1] for row in packed],
+            top_B=top_B,
+            candidates_B=candidates_B,
+        )
+
+
+def launch_sampling(
+    logits_BV: torch.Tensor,
+    params_B: list[SamplingParams],
+    randoms_B: list[RequestRandom],
+    seen_tokens_B: list[list[int]],
+) -> PendingSample:
+    """Queue the processing, the draw and the log-probs of one step on the logits' device; nothing waits."""
     logits_BV = processed_logits(logits_BV, params_B, seen_tokens_B)
     device = logits_BV.device
     # One host-to-device copy in (each row's uniform draw, -1 for greedy rows) and one device-to-host copy
-    # out (tokens, their log-probs and the top-k, packed as float64, exact for token ids): on a GPU every
-    # copy is a synchronisation, and a step's sampling should cost one.
+    # out (tokens, their log-probs and the top-k, packed as float64, exact for token ids); on a GPU both are
+    # asynchronous (pinned memory), so the host never waits here for the forward that made the logits.
     uniforms = [-1.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)]
     num_top = min(max((p.num_logprobs or 0) for p in params_B), logits_BV.shape[-1])
     # A log-prob is a logit minus its row's log-partition, found as log_softmax finds it (the maximum plus
@@ -200,7 +277,7 @@ def sample_next_tokens(
     if all(u < 0 for u in uniforms):
         tokens = argmax_B
     else:
-        draws = torch.tensor(uniforms, dtype=torch.float32, device=device)
+        draws = to_device(uniforms, torch.float32, device)
         drawn = inverse_cdf(weights_BV, draws.clamp(min=0), blocked=searches_by_block(device))
         tokens = torch.where(draws < 0, argmax_B, drawn)
     token_logprobs = logits_BV.gather(-1, tokens[:, None]).squeeze(-1) - log_total_B
@@ -210,27 +287,16 @@ def sample_next_tokens(
     elif num_top > 1:
         top_values, top_ids = logits_BV.topk(num_top, dim=-1)
         columns += [top_ids.double(), (top_values - log_total_B[:, None]).double()]
-    packed = torch.cat(columns, dim=1).tolist()
-    top_B: list[list[tuple[int, float]]] = []
-    for row, params in enumerate(params_B):
-        count = params.num_logprobs or 0
-        ids, values = packed[row][2 : 2 + count], packed[row][2 + num_top : 2 + num_top + count]
-        top_B.append([(int(i), v) for i, v in zip(ids, values, strict=True)])
-    candidates_B: list[list[int] | None] = [None] * len(params_B)
-    masked_rows = [row for row, p in enumerate(params_B) if p.return_sampling_mask and p.truncates]
-    if masked_rows:  # one copy for all of them: each row's count, then every row's ids in row order
-        finite_MV = torch.isfinite(logits_BV[torch.tensor(masked_rows, device=device)])
-        counts_and_ids = torch.cat([finite_MV.sum(dim=-1), finite_MV.nonzero()[:, 1]]).tolist()
-        start = len(masked_rows)
-        for row, count in zip(masked_rows, counts_and_ids[: len(masked_rows)], strict=True):
-            candidates_B[row] = counts_and_ids[start : start + count]
-            start += count
-    return SampledTokens(
-        token_ids_B=[int(row[0]) for row in packed],
-        logprobs_B=[row[1] for row in packed],
-        top_B=top_B,
-        candidates_B=candidates_B,
-    )
+    masked_rows = masked_rows_of(params_B)
+    finite_MV = None
+    if masked_rows:
+        finite_MV = torch.isfinite(logits_BV[to_device(masked_rows, torch.long, device)])
+    return PendingSample(tokens, torch.cat(columns, dim=1), num_top, params_B, finite_MV)
+
+
+def masked_rows_of(params_B: list[SamplingParams]) -> list[int]:
+    """The rows that report their candidate set (`return_sampling_mask`) and whose distribution is cut."""
+    return [row for row, p in enumerate(params_B) if p.return_sampling_mask and p.truncates]
 
 
 def searches_by_block(device: torch.device) -> bool:

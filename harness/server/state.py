@@ -65,6 +65,10 @@ class ServerConfig:
     """While rows decode, admit waiting requests once the oldest has waited this many times a recent
     prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0: at every step;
     None: 1 on a GPU (where a prefill's cost is mostly per forward, not per token), 0 on a CPU."""
+    async_scheduling: bool | None = None
+    """Launch each decode step before reading the previous one's tokens, so the host's work on a step
+    overlaps the device's next (vLLM's --async-scheduling); None: on wherever decode steps replay CUDA graphs
+    (a GPU without enforce_eager). Requests with a repetition penalty still decode step by step."""
     max_logprobs: int = 20
     """Largest `logprobs` (top-k per token) a request may ask for."""
     enable_lora: bool = False
@@ -175,6 +179,11 @@ class ServerState:
             enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager,
             scheduler_delay_factor=default_delay_factor(config.scheduler_delay_factor, model.device),
+            async_scheduling=(
+                config.async_scheduling
+                if config.async_scheduling is not None
+                else model.device.type == "cuda" and not config.enforce_eager
+            ),
         )
         if compiled:
             try:
