@@ -13,6 +13,22 @@ from harness.server.sampling import SamplingParams
 _batches = itertools.count()
 
 
+class Outputs(dict[str, GenerationOutput]):
+    """An `on_done` callback that keeps each output by request id, in the order they ended; `done` is set
+    once `expected` outputs have come."""
+
+    def __init__(self, expected: int) -> None:
+        super().__init__()
+        self.expected = expected
+        self.done = threading.Event()
+
+    def __call__(self, result: GenerationOutput | BaseException) -> None:
+        assert isinstance(result, GenerationOutput), result
+        self[result.request_id] = result
+        if len(self) == self.expected:
+            self.done.set()
+
+
 def run_requests(
     engine: Engine,
     prompts: list[list[int]],

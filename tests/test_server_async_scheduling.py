@@ -10,12 +10,11 @@ scheduling step by step, and greedy outputs with a direct forward of the model.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
-from engine_requests import run_requests
+from engine_requests import Outputs, run_requests
 
 from harness.server.cuda_graphs import StepGraphs
 from harness.server.engine import Engine, GenerationOutput
@@ -110,26 +109,19 @@ def test_requests_arriving_while_steps_run_ahead_are_admitted_between_them():
     engine = make_engine(ahead=True, max_num_seqs=4)
     params = SamplingParams(max_tokens=60, temperature=0.0, num_logprobs=0)
     short = SamplingParams(max_tokens=10, temperature=0.0, num_logprobs=0)
-    outputs: dict[str, GenerationOutput] = {}  # in the order they ended
-    done = threading.Event()
-
-    def on_done(result: GenerationOutput | BaseException) -> None:
-        assert isinstance(result, GenerationOutput), result
-        outputs[result.request_id] = result
-        if len(outputs) == 4:
-            done.set()
+    outputs = Outputs(4)  # the on_done callback: outputs in the order they ended
 
     engine.start()
     try:
-        engine.submit([9, 8, 7, 6], params, on_done, request_id="first")
+        engine.submit([9, 8, 7, 6], params, outputs, request_id="first")
         while engine.stats().num_generation_tokens < 5:
             time.sleep(0.002)
-        engine.submit(list(range(30, 50)), short, on_done, request_id="second")
-        engine.submit([4, 4, 4], short, on_done, request_id="third")
+        engine.submit(list(range(30, 50)), short, outputs, request_id="second")
+        engine.submit([4, 4, 4], short, outputs, request_id="third")
         while len(outputs) < 2:
             time.sleep(0.002)
-        engine.submit(list(range(60, 75)), params, on_done, request_id="fourth")
-        assert done.wait(60)
+        engine.submit(list(range(60, 75)), params, outputs, request_id="fourth")
+        assert outputs.done.wait(60)
     finally:
         engine.close()
     assert engine.num_steps_ahead > 40
@@ -143,19 +135,12 @@ def test_requests_arriving_while_steps_run_ahead_are_admitted_between_them():
 def test_aborts_and_commands_wait_for_the_step_in_flight():
     engine = make_engine(ahead=True)
     params = SamplingParams(max_tokens=100, temperature=0.0, num_logprobs=0)
-    outputs: dict[str, GenerationOutput] = {}
-    done = threading.Event()
-
-    def on_done(result: GenerationOutput | BaseException) -> None:
-        assert isinstance(result, GenerationOutput), result
-        outputs[result.request_id] = result
-        if len(outputs) == 3:
-            done.set()
+    outputs = Outputs(3)  # the on_done callback: outputs in the order they ended
 
     engine.start()
     try:
         for i, prompt in enumerate(PROMPTS[:3]):
-            engine.submit(prompt, params, on_done, request_id=str(i))
+            engine.submit(prompt, params, outputs, request_id=str(i))
         while engine.num_steps_ahead < 5:
             time.sleep(0.002)
         # A command sees no step in flight, and every row's keys are all written (num_cached = tokens - 1).
@@ -165,7 +150,7 @@ def test_aborts_and_commands_wait_for_the_step_in_flight():
         in_flight, gaps = seen.result(10)
         assert in_flight is None and gaps == [1, 1, 1]
         engine.abort("1")
-        assert done.wait(60)
+        assert outputs.done.wait(60)
     finally:
         engine.close()
     assert outputs["1"].finish_reason == "abort" and 0 < len(outputs["1"].output_ids) < 100

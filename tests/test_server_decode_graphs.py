@@ -10,12 +10,11 @@ growth, and a model whose forward cannot be captured.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import pytest
 import torch
-from engine_requests import run_requests
+from engine_requests import Outputs, run_requests
 
 from harness.server.cuda_graphs import StepGraphs, bucket
 from harness.server.engine import Engine, GenerationOutput
@@ -109,26 +108,19 @@ def test_padding_rows_leave_rows_joining_later_intact():
     model = build_tiny_qwen3()
     engine = make_engine(model, graphs="padded", max_num_seqs=4)
     params = SamplingParams(max_tokens=60, temperature=0.0, num_logprobs=0)
-    outputs: dict[str, GenerationOutput] = {}
-    done = threading.Event()
-
-    def on_done(result: GenerationOutput | BaseException) -> None:
-        assert isinstance(result, GenerationOutput), result
-        outputs[result.request_id] = result
-        if len(outputs) == 4:
-            done.set()
+    outputs = Outputs(4)  # the on_done callback
 
     engine.start()
     try:
-        engine.submit([9, 8, 7, 6], params, on_done, request_id="first")
+        engine.submit([9, 8, 7, 6], params, outputs, request_id="first")
         while engine.stats().num_generation_tokens < 5:
             time.sleep(0.005)
-        engine.submit(list(range(30, 50)), params, on_done, request_id="second")
-        engine.submit([4, 4, 4], params, on_done, request_id="third")
+        engine.submit(list(range(30, 50)), params, outputs, request_id="second")
+        engine.submit([4, 4, 4], params, outputs, request_id="third")
         while engine.stats().num_generation_tokens < 40:
             time.sleep(0.005)
-        engine.submit(list(range(60, 75)), params, on_done, request_id="fourth")
-        assert done.wait(60)
+        engine.submit(list(range(60, 75)), params, outputs, request_id="fourth")
+        assert outputs.done.wait(60)
     finally:
         engine.close()
     reference = build_tiny_qwen3()
