@@ -29,6 +29,17 @@ graph does not set the pace), so arrivals spread over that window share one pref
 requests are admitted at once. 0 (the engine's default) admits at every step; the server passes 1 on a GPU
 (`ServerConfig.scheduler_delay_factor`).
 
+Async scheduling (`async_scheduling`, vLLM's --async-scheduling; the server turns it on wherever decode
+steps replay CUDA graphs): a decode step is launched on the device and left unread; the next engine step
+launches the following decode step at once, its input tokens taken from the sampled tensor still on the
+device, and only then reads the earlier step's tokens and ends the requests that are done. So the host's
+work on one step's results (appending tokens, stop checks, answering finished requests) runs while the
+device computes the next step, instead of the device idling through it. A request that ends is found one
+step late: its row is decoded once more and that token dropped. Whatever changes the rows, the cache's
+storage or what a row's next logits depend on first reads the step in flight, then runs as before:
+admitting requests (so a prefill), preemption, a cache that must grow, commands (weight updates, pauses),
+aborts, and requests with a repetition penalty (which reads their tokens on the host).
+
 Preemption: when the rows times the longest sequence would exceed the KV budget, the newest request goes
 back to the front of the queue and is recomputed (prompt and output so far) when readmitted. A weight
 update or adapter change invalidates every cached key, so it preempts all running requests the same way
