@@ -29,11 +29,12 @@ serving over HTTP changes: how many prefills the staggered arrivals cause, and w
 default on a GPU, this benchmark only with the flag, in both modes);
 `--scheduler-delay-factor F` gives the HTTP mode's engine that admission delay.
 
-One H200 run (random Qwen3-0.6B, bf16, 128-token prompts, 128 new tokens), tokens/s at 64 / 256 in flight:
-engine alone 7,539 / 14,688 (decode replay 5.95 / 8.76 ms, sampling 4.6 / 5.0 ms per step), with compiled
-blocks 8,243 / 10,332 (replay 4.19 / 6.94 ms; at 256 its sampling took 13.2 ms a step, not understood); over
-HTTP 4,250 / 7,939, where the warm-up and timed waves together made 19 / 34 prefills averaging 165 / 122 ms
-(that run counted the warm-up wave's parts too; the timed waves alone are what `--http` now counts).
+One H200 run (random Qwen3-0.6B, bf16, 128-token prompts, 128 new tokens, `--compile-blocks`), tokens/s of
+the last two waves at 64 / 256 in flight: 12,688-12,830 / 21,766-23,633 with async scheduling (at 64 a
+`_decode_ahead` took 4.6 ms, of which reading the step before it 3.9, mostly waiting for the GPU), and
+8,080-10,780 / 17,848-21,165 with `--no-async-scheduling` (a graphed decode step 4.1 / 8.0 ms). An earlier
+run of the `--http` mode (uncompiled, step by step) gave 4,250 / 7,939, where the warm-up and timed waves
+made 19 / 34 prefills averaging 165 / 122 ms.
 """
 
 from __future__ import annotations
