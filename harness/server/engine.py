@@ -748,14 +748,14 @@ class Engine:
         # are rewritten by that prefill, and their logits are ignored here.
         ready = [row for row, r in enumerate(requests) if r.num_cached == len(r.tokens) - 1]
         lora_groups = self._lora_groups(requests)
-        graphed = self.graphs is not None and not lora_groups
-        if self.graphs is not None and graphed:
-            logits = self.graphs.decode([r.tokens[-1] for r in requests], lengths)
+        graphs = None if lora_groups else self.graphs  # the adapters' hooks are not in the graphs
+        if graphs is not None:
+            logits = graphs.decode([r.tokens[-1] for r in requests], lengths)
         else:
             logits = self._eager_decode(requests, lengths, lora_groups)
         for row in ready:
             requests[row].num_cached = len(requests[row].tokens)
-        if len(ready) == num_rows and graphed and self._may_go_ahead(requests):
+        if len(ready) == num_rows and graphs is not None and self._may_go_ahead(requests):
             self._in_flight = _StepInFlight(requests, self._launch_sample(requests, logits))
             return
         ready_requests = [requests[row] for row in ready]
