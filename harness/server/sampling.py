@@ -1,7 +1,8 @@
 """Sampling for the built-in server: per-request parameters, processed log-probs, seeded draws.
 
-Who talks to it: the engine calls `sample_next_tokens` once per forward pass with the last-position logits of
-every row and each row's `SamplingParams` and `RequestRandom`.
+Who talks to it: the engine calls `launch_sampling` once per forward pass with the last-position logits of
+every row and each row's `SamplingParams` and `RequestRandom`, and reads the step with `result()`, at once
+or (async scheduling) after launching the next forward; `sample_next_tokens` does both in one call.
 
 Log-prob semantics follow vLLM's `--logprobs-mode processed_logprobs`: the reported log-probs are those of
 the distribution actually sampled from, after (in this order) the repetition penalty, temperature, min-p and
