@@ -86,20 +86,21 @@ def test_decoding_ahead_gives_what_step_by_step_decoding_gives():
 
 
 def test_a_stop_token_ends_a_request_read_a_step_late():
-    # The greedy continuation of each prompt, then the same requests told to stop at one of its tokens: each
-    # ends at that token, though the engine had already launched the step after it.
+    # The greedy continuation of each prompt, then the same requests told to stop at one of its tokens (and
+    # an EOS taken from the first): each ends at the first stop or EOS token of its continuation, though the
+    # engine had already launched the step after it.
     free = generate(make_engine(ahead=False), PROMPTS, [SamplingParams(max_tokens=30, temperature=0.0)] * 4)
+    eos = free[0].output_ids[20]
     stops = [output.output_ids[5 + 3 * i] for i, output in enumerate(free)]
     params = [SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(stop,)) for stop in stops]
-    step_by_step = generate(make_engine(ahead=False), PROMPTS, params)
-    engine = make_engine(ahead=True, eos_token_ids=[free[0].output_ids[20]])
-    reference = make_engine(ahead=False, eos_token_ids=[free[0].output_ids[20]])
+    engine = make_engine(ahead=True, eos_token_ids=[eos])
     ahead = generate(engine, PROMPTS, params)
-    assert_same(generate(reference, PROMPTS, params), ahead)
-    for output, stop in zip(ahead, stops, strict=True):
-        assert output.finish_reason == "stop" and output.output_ids[-1] in (stop, free[0].output_ids[20])
-        assert output.output_ids.count(output.output_ids[-1]) == 1 or output.stop_reason is None
-    assert [o.output_ids for o in step_by_step] != [o.output_ids for o in free]
+    assert_same(generate(make_engine(ahead=False, eos_token_ids=[eos]), PROMPTS, params), ahead)
+    for output, continuation, stop in zip(ahead, free, stops, strict=True):
+        end = next(i for i, token in enumerate(continuation.output_ids) if token in (stop, eos))
+        assert output.output_ids == continuation.output_ids[: end + 1]
+        assert output.finish_reason == "stop"
+        assert output.stop_reason == (stop if output.output_ids[-1] == stop else None)
     assert engine.num_steps_ahead > 0
 
 
