@@ -264,6 +264,9 @@ class Engine:
         self._error: BaseException | None = None
         self._stats = EngineStats(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
         self._counters = EngineStats(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+        # Outputs of finished requests, handed to their callbacks once the stats that count them are
+        # published: a client that has its answer never reads a /metrics that has not counted it yet.
+        self._outputs: list[tuple[DoneCallback, GenerationOutput]] = []
         self._thread = threading.Thread(target=self._run, name="harness-engine", daemon=True)
         self._started = False
 
@@ -438,10 +441,12 @@ class Engine:
                     if self._paused or not (self._running or self._waiting):
                         self._drain()
                         self._publish_stats()
+                        self._deliver()
                         self._wake.wait(timeout=1.0)
                         continue
                     self._step()
                     self._publish_stats()
+                    self._deliver()
         except BaseException as exc:
             logger.exception("the generation engine died")
             self._error = exc
@@ -475,6 +480,7 @@ class Engine:
             self._draining.set_exception(EngineClosedError("the engine is closed"))
         self.cache.release()
         self._publish_stats()
+        self._deliver()
 
     def _run_commands(self) -> None:
         if not self._commands.empty():
@@ -912,7 +918,13 @@ class Engine:
             stop_reason=stop_reason,
             sampling_mask=request.output_candidates or None,
         )
-        request.on_done(output)
+        self._outputs.append((request.on_done, output))
+
+    def _deliver(self) -> None:
+        """Hand the outputs finished since the last call to their callbacks (after `_publish_stats`)."""
+        outputs, self._outputs = self._outputs, []
+        for on_done, output in outputs:
+            on_done(output)
 
 
 __all__ = [
