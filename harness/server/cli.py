@@ -95,6 +95,14 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, default=8, help="most adapters loaded at once (default: 8)")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank (default: 64)")
     parser.add_argument(
+        "--api-server-count",
+        type=int,
+        default=None,
+        metavar="N",
+        help="HTTP front processes beside the engine's; 0: HTTP in the engine's process (default: 1 on a "
+        "GPU, 0 on a CPU)",
+    )
+    parser.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started the server dies"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -150,6 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             exit_with_parent=args.exit_with_parent,
+            api_server_count=args.api_server_count,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from harness.server.engine import Engine
-    from harness.server.lora import LoraManager
+    from harness.server.lora import LoraAdapter, LoraManager
     from harness.weight_sync.wire import BroadcastGroup
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,10 @@ class ServerConfig:
     """Largest adapter rank accepted."""
     exit_with_parent: bool = False
     """Stop when the process that started this server dies (set by the trainer's launcher)."""
+    api_server_count: int | None = None
+    """HTTP front processes (vLLM's --api-server-count; `api_servers.py`): they parse requests and write
+    answers so the engine's process spends its GIL on the engine; 0 serves HTTP in the engine's process;
+    None: 1 on a GPU, 0 on a CPU."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -90,6 +94,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.scheduler_delay_factor is not None and not self.scheduler_delay_factor >= 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
+        if self.api_server_count is not None and self.api_server_count < 0:
+            raise ValueError(f"api_server_count must be 0 or more, got {self.api_server_count}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
 
@@ -215,6 +221,17 @@ class ServerState:
             model_name=config.served_model_name or config.model,
             max_model_len=max_model_len,
         )
+
+    def adapter_for(self, model: str | None) -> LoraAdapter | None:
+        """The adapter a request's `model` names: None for the base model (or no name), 404 if unknown."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.lora.adapters.get(model)
+        if adapter is None:
+            from harness.server.protocol import ProtocolError
+
+            raise ProtocolError(404, f"The model `{model}` does not exist.", "model")
+        return adapter
 
     @property
     def vocab_size(self) -> int:
