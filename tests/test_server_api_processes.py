@@ -17,7 +17,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -27,7 +26,6 @@ import torch
 from harness.generation.client import GenerationClient
 from harness.generation.protocol import Completion, SamplingConfig
 from harness.generation.server_load import parse_prometheus
-from harness.server.app import api_server_count
 from harness.server.launch import BuiltinServer, start_builtin_server
 from harness.server.state import ServerConfig
 from harness.testing import build_tiny_qwen3
@@ -280,13 +278,19 @@ def test_sigterm_stops_the_server_and_its_api_servers_cleanly(tiny_model_dir, tm
     assert wait_until(lambda: not any(alive(pid) for pid in fronts), 10)
 
 
-def test_the_default_count_is_one_on_a_gpu_and_none_on_a_cpu():
-    def state(device: str) -> Any:
-        return SimpleNamespace(model=SimpleNamespace(device=torch.device(device)))
+def test_sigterm_to_every_process_at_once_is_a_clean_stop(tiny_model_dir, tmp_path):
+    """As a terminal or a supervisor signals the process group: no API server counts as lost."""
+    server = serve(tiny_model_dir, 2, tmp_path / "serve.log")
+    fronts = children(server.pid)
+    api_servers = [pid for pid in fronts if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    for pid in [*api_servers, server.pid]:
+        os.kill(pid, signal.SIGTERM)
+    assert server.process.wait(timeout=30) == 0
+    assert not any(alive(pid) for pid in api_servers)
+    assert "exited" not in (tmp_path / "serve.log").read_text()
+    server.stop()
 
-    assert api_server_count(ServerConfig(model="m"), state("cpu")) == 0
-    assert api_server_count(ServerConfig(model="m"), state("cuda")) == 1
-    assert api_server_count(ServerConfig(model="m", api_server_count=3), state("cpu")) == 3
-    assert api_server_count(ServerConfig(model="m", api_server_count=0), state("cuda")) == 0
-    with pytest.raises(ValueError, match="api_server_count"):
+
+def test_a_negative_count_is_refused_with_its_name():
+    with pytest.raises(ValueError, match="api_server_count must be 0 or more, got -1"):
         ServerConfig(model="m", api_server_count=-1)

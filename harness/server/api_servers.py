@@ -1,9 +1,11 @@
 """API server processes: `harness serve`'s HTTP in processes of their own (vLLM's --api-server-count).
 
-Why: in one process the event loop that parses requests and writes log-probs as JSON shares the GIL with
-the engine thread, and a GPU engine that launches a step, does its host work while the step runs and
-launches the next is held up each time the loop has the GIL. Measured on one H200 (README, "Generation
-servers"): the engine alone makes about twice the tokens/s it makes behind HTTP in its own process.
+Why: in one process, the event loop that parses requests and writes log-probs as JSON shares the GIL with
+the engine thread, whose host work between GPU steps it can hold up; with `api_server_count` >= 1 that
+work moves to other processes, as vLLM's API servers do. On one H100 (random Qwen3-0.6B, 4 client
+processes, README "Generation servers") one API server changed generated tokens/s by +1% / -4% at 64 /
+256 requests in flight, so it is off by default; it is there for loads heavier in HTTP than in tokens
+(many short requests, large top-k log-probs).
 
 Layout:
 
@@ -48,6 +50,7 @@ from harness.server.protocol import CompletionRequest, ProtocolError
 logger = logging.getLogger(__name__)
 
 _STOP = ("stop",)
+SIGTERM_GRACE_S = 10.0
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade"}
 
 
@@ -355,7 +358,13 @@ async def _serve_api(spec: ApiServerSpec, sock: socket.socket, conn: Connection)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    def on_sigterm() -> None:
+        # Sent to the whole process group (a terminal, a supervisor) it reaches the engine process too,
+        # which stops us in order; alone, we stop after a grace period.
+        loop.call_later(SIGTERM_GRACE_S, stop.set)
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     link = _EngineLink(conn, spec.index, stop.set)
     routes, close_proxy = _proxy_routes(spec.backend_url)
     app = web.Application(middlewares=[errors_as_json], client_max_size=64 * 2**20)

@@ -2,7 +2,9 @@
 
 Who talks to it: clients (`harness.generation.client.GenerationClient`, or anything that speaks vLLM's
 protocol) over HTTP; `harness serve` runs it in the foreground with `serve`; tests and benchmarks run it on a
-thread of their own process with `EmbeddedServer`. Routes (shapes in `protocol.py`):
+thread of their own process with `EmbeddedServer`. With `--api-server-count N`, N other processes answer
+clients (`api_servers.py`, with this module's `generation_routes`) and this app listens on 127.0.0.1 only
+for them. Routes (shapes in `protocol.py`):
 
     GET  /health /v1/models /metrics /is_paused /server_info /get_world_size /version
     POST /v1/completions /inference/v1/generate
@@ -461,13 +463,6 @@ async def _stop(state: ServerState, runner: web.AppRunner, api_servers: ApiServe
     state.close()
 
 
-def api_server_count(config: ServerConfig, state: ServerState) -> int:
-    """How many API server processes `serve` starts: the configured number, else 1 on a GPU, 0 on a CPU."""
-    if config.api_server_count is not None:
-        return config.api_server_count
-    return 1 if state.model.device.type == "cuda" else 0
-
-
 def serve(config: ServerConfig) -> int:
     """Run a server in the foreground until SIGINT / SIGTERM (or the parent's death with exit_with_parent).
 
@@ -480,7 +475,7 @@ def serve(config: ServerConfig) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        count = api_server_count(config, state)
+        count = config.api_server_count
         api_servers: ApiServers | None = None
         if count:
             runner, backend_port = await _start(state, "127.0.0.1", 0)

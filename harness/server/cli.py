@@ -97,10 +97,10 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-server-count",
         type=int,
-        default=None,
+        default=0,
         metavar="N",
-        help="HTTP front processes beside the engine's; 0: HTTP in the engine's process (default: 1 on a "
-        "GPU, 0 on a CPU)",
+        help="processes serving HTTP beside the engine's, as vLLM's flag; 0: HTTP on a thread of the "
+        "engine's process (default: 0)",
     )
     parser.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started the server dies"

@@ -79,10 +79,10 @@ class ServerConfig:
     """Largest adapter rank accepted."""
     exit_with_parent: bool = False
     """Stop when the process that started this server dies (set by the trainer's launcher)."""
-    api_server_count: int | None = None
-    """HTTP front processes (vLLM's --api-server-count; `api_servers.py`): they parse requests and write
-    answers so the engine's process spends its GIL on the engine; 0 serves HTTP in the engine's process;
-    None: 1 on a GPU, 0 on a CPU."""
+    api_server_count: int = 0
+    """HTTP front processes (vLLM's --api-server-count; `api_servers.py`) that parse requests and write
+    answers beside the engine's process; 0 serves HTTP on a thread of the engine's process. On one H100
+    one such process changed tokens/s by +1% / -4% at 64 / 256 requests in flight (README)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,7 +94,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.scheduler_delay_factor is not None and not self.scheduler_delay_factor >= 0:
             raise ValueError(f"scheduler_delay_factor must be >= 0, got {self.scheduler_delay_factor}")
-        if self.api_server_count is not None and self.api_server_count < 0:
+        if self.api_server_count < 0:
             raise ValueError(f"api_server_count must be 0 or more, got {self.api_server_count}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
