@@ -239,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    try:  # the client processes need it: say so now, not after the first server has started
+        import openai  # noqa: F401
+    except ImportError as exc:
+        parser.error(f"the client processes need the openai package ({exc}); pip install openai")
 
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
