@@ -40,12 +40,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 from harness.server.engine import EngineClosedError, GenerationOutput
 from harness.server.protocol import CompletionRequest, ProtocolError
+
+if TYPE_CHECKING:
+    from harness.server.app import ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class ApiServerSpec:
     """What one API server process needs: how to read and answer requests, and where the engine's HTTP is."""
 
     index: int
-    served: Any  # app.ServedModel (picklable: names, limits and the tokenizer)
+    served: ServedModel  # picklable: names, limits and the tokenizer
     backend_url: str
     parent_pid: int
 

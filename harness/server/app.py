@@ -140,14 +140,14 @@ def generation_routes(served: ServedModel, generated: Generate) -> list[web.Rout
     (`api_servers.py`) one that forwards to the engine's process.
     """
 
+    limits = {
+        "max_model_len": served.max_model_len,
+        "max_logprobs": served.max_logprobs,
+        "vocab_size": served.vocab_size,
+    }
+
     async def completions(request: web.Request) -> web.Response:
-        parsed = parse_completion_request(
-            await _json_body(request),
-            max_model_len=served.max_model_len,
-            max_logprobs=served.max_logprobs,
-            vocab_size=served.vocab_size,
-            tokenizer=served.tokenizer,
-        )
+        parsed = parse_completion_request(await _json_body(request), tokenizer=served.tokenizer, **limits)
         result = await generated(parsed)
         body = completion_response(
             parsed, result, model_name=parsed.model or served.name, tokenizer=served.tokenizer
@@ -155,12 +155,7 @@ def generation_routes(served: ServedModel, generated: Generate) -> list[web.Rout
         return web.json_response(body)
 
     async def generate(request: web.Request) -> web.Response:
-        parsed = parse_generate_request(
-            await _json_body(request),
-            max_model_len=served.max_model_len,
-            max_logprobs=served.max_logprobs,
-            vocab_size=served.vocab_size,
-        )
+        parsed = parse_generate_request(await _json_body(request), **limits)
         result = await generated(parsed)
         return web.json_response(generate_response(parsed, result, model_name=parsed.model or served.name))
 
