@@ -25,12 +25,15 @@ then `--waves` waves timed. Reported: generated tokens/s over the timed waves (a
 the wall time from the first send to the last reply), requests/s, p50/p95 request latency, and the client
 processes' CPU seconds per second of wall time (near 1.0 per process would mean a client is the limit).
 Several processes, each with its own event loop, so one Python client is not what is measured.
+For the built-in server, a second table splits its engine thread's time over the timed waves (the
+harness:engine_* counters of /metrics): prefill forwards, decode steps, idle, with how often each ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -41,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
+from harness.generation.server_load import parse_prometheus
 from harness.testing.servers import start_vllm_process, stop_process_group, tail
 
 SERVED_NAME = "bench"
@@ -216,6 +221,37 @@ def measure(
     }
 
 
+def engine_counters(url: str) -> dict[str, float] | None:
+    """The built-in engine's phase counters from /metrics (None for a server without them: vLLM)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    counters = {"time": time.monotonic()}
+    for sample in parse_prometheus(text):
+        if sample.name.startswith("harness:engine_"):
+            phase = sample.labels.get("phase")
+            counters[sample.name.removeprefix("harness:engine_") + (f"[{phase}]" if phase else "")] = (
+                sample.value
+            )
+    return counters if len(counters) > 1 else None
+
+
+def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where the engine thread's time went between two `engine_counters` readings."""
+    delta = {key: after[key] - before[key] for key in before}
+    wall = delta["time"]
+    prefills, decodes = delta["steps_total[prefill]"], delta["steps_total[decode]"]
+    return {
+        "prefill_share": delta["seconds_total[prefill]"] / wall,
+        "decode_share": delta["seconds_total[decode]"] / wall,
+        "idle_share": delta["seconds_total[idle]"] / wall,
+        "prefills_per_s": prefills / wall,
+        "requests_per_prefill": delta["prefill_requests_total"] / max(prefills, 1),
+        "ms_per_prefill": 1000 * delta["seconds_total[prefill]"] / max(prefills, 1),
+        "decode_steps_per_s": decodes / wall,
+        "ms_per_decode_step": 1000 * delta["seconds_total[decode]"] / max(decodes, 1),
+    }
+
+
 def build_model(preset: str, directory: str, device: str) -> None:
     from bench_trainer import build
 
@@ -264,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
             started_s = time.time() - start
             try:
                 for concurrency in args.concurrency:
-                    row = {"server": kind, "start_s": started_s, **measure(url, concurrency, args)}
+                    readings: list[dict[str, float] | None] = []
+                    read = functools.partial(lambda got, at: got.append(engine_counters(at)), readings, url)
+                    row = {"server": kind, "start_s": started_s, **measure(url, concurrency, args, read)}
+                    if readings[0] is not None and (after := engine_counters(url)) is not None:
+                        row["engine"] = engine_breakdown(readings[0], after)
                     results.append(row)
                     print(json.dumps(row), flush=True)
             finally:
@@ -295,6 +335,22 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['first_wave_s']:.1f} "
             f"| {max(row['client_cpu_per_wall_s']):.2f} |"
         )
+    engine_rows = [row for row in results if "engine" in row]
+    if engine_rows:
+        print(
+            "\nThe built-in engine's thread over the timed waves (harness:engine_* counters of /metrics):\n"
+        )
+        columns = ["server", "C", "prefill", "decode", "idle", "prefills/s", "requests/prefill", "ms/prefill"]
+        print("| " + " | ".join([*columns, "steps/s", "ms/step"]) + " |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for row in engine_rows:
+            e = row["engine"]
+            print(
+                f"| {row['server']} | {row['concurrency']} | {e['prefill_share']:.0%} "
+                f"| {e['decode_share']:.0%} | {e['idle_share']:.0%} | {e['prefills_per_s']:.1f} "
+                f"| {e['requests_per_prefill']:.1f} | {e['ms_per_prefill']:.1f} "
+                f"| {e['decode_steps_per_s']:.0f} | {e['ms_per_decode_step']:.2f} |"
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -13,8 +13,10 @@ import pytest
 import torch
 from engine_requests import run_requests
 
+from harness.generation.server_load import parse_prometheus
 from harness.server.engine import Engine, GenerationOutput
 from harness.server.kv_cache import RowKVCache
+from harness.server.metrics import render_metrics
 from harness.server.sampling import SamplingParams
 from harness.testing import build_tiny_qwen3
 
@@ -136,3 +138,29 @@ def test_close_answers_pending_requests_with_abort():
     assert len(outputs) == 1 and isinstance(outputs[0], GenerationOutput)
     assert outputs[0].finish_reason == "abort"
     engine.close()  # idempotent
+
+
+def test_phase_counters_count_the_forwards_and_split_the_thread_time():
+    """Four requests submitted together: one prefill of all four, then one decode step per token after the
+    first (each request's first token comes from the prefill); the engine idles while paused before."""
+    engine = Engine(build_tiny_qwen3(), max_model_len=MAX_MODEL_LEN, eos_token_ids=[], kv_cache_tokens=8 * 64)
+    engine.start()
+    try:
+        prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+        run_requests(engine, prompts, SamplingParams(max_tokens=9, temperature=0.0), together=True)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert (stats.num_prefill_steps, stats.num_prefill_requests) == (1, 4)
+    assert stats.num_decode_steps == 8
+    assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.idle_s > 0
+    samples = parse_prometheus(render_metrics(stats, model_name="m", max_model_len=MAX_MODEL_LEN))
+    shown = {(s.name, s.labels.get("phase")): s.value for s in samples if s.name.startswith("harness:engine")}
+    assert shown == {
+        ("harness:engine_seconds_total", "prefill"): stats.prefill_s,
+        ("harness:engine_seconds_total", "decode"): stats.decode_s,
+        ("harness:engine_seconds_total", "idle"): stats.idle_s,
+        ("harness:engine_steps_total", "prefill"): 1,
+        ("harness:engine_steps_total", "decode"): 8,
+        ("harness:engine_prefill_requests_total", None): 4,
+    }

@@ -144,6 +144,15 @@ class EngineStats:
     max_num_seqs: int = 0
     is_paused: bool = False
     weight_version: int = 0
+    # Where the engine thread's time goes (seconds since start): prefill forwards (with their sampling),
+    # decode steps (launch, and reading the step before), waiting for work; the rest is commands and
+    # bookkeeping. A decode step is one forward over every running row.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    idle_s: float = 0.0
+    num_prefill_steps: int = 0
+    num_prefill_requests: int = 0  # requests in those prefills, a group's twins counted once
+    num_decode_steps: int = 0
 
 
 @dataclass
@@ -442,9 +451,15 @@ class Engine:
                         self._drain()
                         self._publish_stats()
                         self._deliver()
+                        waited = time.perf_counter()
                         self._wake.wait(timeout=1.0)
+                        self._counters.idle_s += time.perf_counter() - waited
                         continue
+                    started, prefill_s = time.perf_counter(), self._counters.prefill_s
                     self._step()
+                    self._counters.decode_s += (
+                        time.perf_counter() - started - (self._counters.prefill_s - prefill_s)
+                    )
                     self._publish_stats()
                     self._deliver()
         except BaseException as exc:
@@ -536,6 +551,12 @@ class Engine:
             max_num_seqs=self.max_num_seqs,
             is_paused=self._paused,
             weight_version=counters.weight_version,
+            prefill_s=counters.prefill_s,
+            decode_s=counters.decode_s,
+            idle_s=counters.idle_s,
+            num_prefill_steps=counters.num_prefill_steps,
+            num_prefill_requests=counters.num_prefill_requests,
+            num_decode_steps=counters.num_decode_steps,
         )
 
     # ------------------------------------------------------------------ scheduling
@@ -583,7 +604,11 @@ class Engine:
         if chosen:
             started = time.perf_counter()
             self._prefill(chosen, twins)
-            self._prefill_s.append(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            self._prefill_s.append(elapsed)
+            self._counters.prefill_s += elapsed
+            self._counters.num_prefill_steps += 1
+            self._counters.num_prefill_requests += len(chosen)
         if any(r.num_cached == len(r.tokens) - 1 for r in self._running):
             self._decode()
 
@@ -753,6 +778,7 @@ class Engine:
         # Rows still waiting for their prefill (the step's prefill budget ran out) ride along: their keys
         # are rewritten by that prefill, and their logits are ignored here.
         ready = [row for row, r in enumerate(requests) if r.num_cached == len(r.tokens) - 1]
+        self._counters.num_decode_steps += 1
         lora_groups = self._lora_groups(requests)
         graphs = None if lora_groups else self.graphs  # the adapters' hooks are not in the graphs
         if graphs is not None:
@@ -814,6 +840,7 @@ class Engine:
             request.num_cached = length
         self._in_flight = _StepInFlight(requests, self._launch_sample(requests, logits))
         self.num_steps_ahead += 1
+        self._counters.num_decode_steps += 1
         self._collect(previous.requests, previous.sample)
 
     def _drain(self) -> None:

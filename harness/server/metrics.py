@@ -116,4 +116,30 @@ def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -
         "Number of weight updates applied since start.",
         [(base, stats.weight_version)],
     )
+    metric(
+        "harness:engine_seconds_total",
+        "counter",
+        "Seconds the built-in server's engine thread spent per phase: prefill forwards, decode steps, idle.",
+        [
+            ({**base, "phase": "prefill"}, stats.prefill_s),
+            ({**base, "phase": "decode"}, stats.decode_s),
+            ({**base, "phase": "idle"}, stats.idle_s),
+        ],
+    )
+    metric(
+        "harness:engine_steps_total",
+        "counter",
+        "Forward passes of the built-in server's engine: prefills (each of one or more requests) and decode "
+        "steps (each over every running row).",
+        [
+            ({**base, "phase": "prefill"}, stats.num_prefill_steps),
+            ({**base, "phase": "decode"}, stats.num_decode_steps),
+        ],
+    )
+    metric(
+        "harness:engine_prefill_requests_total",
+        "counter",
+        "Requests prefilled by the built-in server's engine (a group's identical prompts counted once).",
+        [(base, stats.num_prefill_requests)],
+    )
     return "\n".join(lines) + "\n"
