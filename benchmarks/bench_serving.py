@@ -26,7 +26,8 @@ the wall time from the first send to the last reply), requests/s, p50/p95 reques
 processes' CPU seconds per second of wall time (near 1.0 per process would mean a client is the limit).
 Several processes, each with its own event loop, so one Python client is not what is measured.
 For the built-in server, a second table splits its engine thread's time over the timed waves (the
-harness:engine_* counters of /metrics): prefill forwards, decode steps, idle, with how often each ran.
+harness:engine_* counters of /metrics): prefill forwards, decode steps, idle, with how often each ran and
+how each prefill's forward ran (replayed from a CUDA graph, captured, or eager).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from harness.generation.server_load import parse_prometheus
 from harness.testing.servers import start_vllm_process, stop_process_group, tail
 
 SERVED_NAME = "bench"
+PREFILL_RUNS = ("replayed", "captured", "eager")  # how the engine's prefill forwards ran
 
 
 def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str]:
@@ -228,10 +230,9 @@ def engine_counters(url: str) -> dict[str, float] | None:
     counters = {"time": time.monotonic()}
     for sample in parse_prometheus(text):
         if sample.name.startswith("harness:engine_"):
-            phase = sample.labels.get("phase")
-            counters[sample.name.removeprefix("harness:engine_") + (f"[{phase}]" if phase else "")] = (
-                sample.value
-            )
+            label = sample.labels.get("phase", sample.labels.get("run"))
+            name = sample.name.removeprefix("harness:engine_")
+            counters[f"{name}[{label}]" if label else name] = sample.value
     return counters if len(counters) > 1 else None
 
 
@@ -249,6 +250,13 @@ def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[
         "ms_per_prefill": 1000 * delta["seconds_total[prefill]"] / max(prefills, 1),
         "decode_steps_per_s": decodes / wall,
         "ms_per_decode_step": 1000 * delta["seconds_total[decode]"] / max(decodes, 1),
+        **{f"prefills_{run}": delta[f"prefills_total[{run}]"] for run in PREFILL_RUNS},
+        **{
+            f"ms_per_prefill_{run}": 1000
+            * delta[f"prefill_seconds_total[{run}]"]
+            / max(delta[f"prefills_total[{run}]"], 1)
+            for run in PREFILL_RUNS
+        },
     }
 
 
@@ -341,14 +349,18 @@ def main(argv: list[str] | None = None) -> int:
             "\nThe built-in engine's thread over the timed waves (harness:engine_* counters of /metrics):\n"
         )
         columns = ["server", "C", "prefill", "decode", "idle", "prefills/s", "requests/prefill", "ms/prefill"]
-        print("| " + " | ".join([*columns, "steps/s", "ms/step"]) + " |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        columns += ["replayed / captured / eager prefills (ms each)", "steps/s", "ms/step"]
+        print("| " + " | ".join(columns) + " |")
+        print("| --- " * len(columns) + "|")
         for row in engine_rows:
             e = row["engine"]
+            runs = " / ".join(
+                f"{e[f'prefills_{r}']:.0f} ({e[f'ms_per_prefill_{r}']:.1f})" for r in PREFILL_RUNS
+            )
             print(
                 f"| {row['server']} | {row['concurrency']} | {e['prefill_share']:.0%} "
                 f"| {e['decode_share']:.0%} | {e['idle_share']:.0%} | {e['prefills_per_s']:.1f} "
-                f"| {e['requests_per_prefill']:.1f} | {e['ms_per_prefill']:.1f} "
+                f"| {e['requests_per_prefill']:.1f} | {e['ms_per_prefill']:.1f} | {runs} "
                 f"| {e['decode_steps_per_s']:.0f} | {e['ms_per_decode_step']:.2f} |"
             )
     if args.out:

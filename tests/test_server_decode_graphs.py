@@ -176,10 +176,13 @@ def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs()
         return graphs.prefill([0, 1], prompts, [0, 0]).clone()
 
     first = prefill()
+    assert graphs.last_run == "eager"
     assert graphs.num_captures == 0 and prefill().equal(first)  # a new shape, then its second use: eager
-    assert graphs.num_captures == 0
+    assert graphs.num_captures == 0 and graphs.last_run == "eager"
     assert prefill().equal(first) and graphs.num_captures == 1  # the third: captured (and replayed)
+    assert graphs.last_run == "captured"
     assert prefill().equal(first) and graphs.num_captures == 1  # then replayed
+    assert graphs.last_run == "replayed"
     graphs.decode([3, 4], [31, 21])
     assert graphs.num_captures == 2  # decode: at its first use
     graphs.decode([5, 6], [32, 22])
@@ -187,6 +190,23 @@ def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs()
     engine.cache.reserve(8, 128)  # the cache grows: every graph is dropped ...
     assert prefill().equal(first) and graphs.num_captures == 3  # ... and a recurring shape captured at once
     assert graphs.num_forwards == {"prefill": 5, "decode": 2}
+
+
+def test_the_engine_counts_its_prefills_by_how_they_ran():
+    model = build_tiny_qwen3()
+    engine = make_engine(model, graphs="none", enable_prefix_caching=False)
+    engine.graphs = RecordingGraphs(model, engine.cache)
+    engine.start()
+    try:
+        for wave in range(4):  # the same shape each time: eager, eager, captured, replayed
+            prompts = [list(range(10 + wave, 40 + wave)), list(range(50 + wave, 70 + wave))]
+            run_requests(engine, prompts, SamplingParams(max_tokens=2, temperature=0.0), together=True)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert stats.prefills_by_run == {"eager": 2, "captured": 1, "replayed": 1}
+    assert set(stats.prefill_s_by_run) == {"eager", "captured", "replayed"}
+    assert sum(stats.prefill_s_by_run.values()) == pytest.approx(stats.prefill_s)
 
 
 def test_the_padded_step_under_a_tight_budget_preempts_and_recomputes_correctly():

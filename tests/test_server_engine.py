@@ -155,8 +155,18 @@ def test_phase_counters_count_the_forwards_and_split_the_thread_time():
     assert stats.num_decode_steps == 8
     assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.idle_s > 0
     samples = parse_prometheus(render_metrics(stats, model_name="m", max_model_len=MAX_MODEL_LEN))
-    shown = {(s.name, s.labels.get("phase")): s.value for s in samples if s.name.startswith("harness:engine")}
+    shown = {
+        (s.name, s.labels.get("phase", s.labels.get("run"))): s.value
+        for s in samples
+        if s.name.startswith("harness:engine")
+    }
     assert shown == {
+        ("harness:engine_prefills_total", "replayed"): 0,  # no CUDA graphs on a CPU
+        ("harness:engine_prefills_total", "captured"): 0,
+        ("harness:engine_prefills_total", "eager"): 1,
+        ("harness:engine_prefill_seconds_total", "replayed"): 0,
+        ("harness:engine_prefill_seconds_total", "captured"): 0,
+        ("harness:engine_prefill_seconds_total", "eager"): stats.prefill_s,
         ("harness:engine_seconds_total", "prefill"): stats.prefill_s,
         ("harness:engine_seconds_total", "decode"): stats.decode_s,
         ("harness:engine_seconds_total", "idle"): stats.idle_s,

@@ -47,7 +47,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -87,6 +87,7 @@ class StepGraphs:
         self.enabled = True
         self.num_captures = 0
         self.num_forwards = {"decode": 0, "prefill": 0}  # run through this class, replayed or not
+        self.last_run: Literal["replayed", "captured", "eager"] = "eager"  # how the last forward ran
         device = model.device
         max_rows = cache.max_rows
         # decode_2R[0]: each row's last token; decode_2R[1]: each row's length (keys after this step).
@@ -234,10 +235,12 @@ class StepGraphs:
         key: tuple[str | int, ...] = (kind, *shape)
         replay = self._graphs.get(key)
         if replay is not None:
+            self.last_run = "replayed"
             replay()
             return
         self._uses[key] += 1
         wanted = 1 if kind == "decode" else PREFILL_CAPTURE_AT_USE
+        self.last_run = "eager"
         if not (self.capture and self.enabled) or self._uses[key] < wanted:
             forward()
             return
@@ -255,6 +258,7 @@ class StepGraphs:
             return
         self._graphs[key] = graph.replay
         self.num_captures += 1
+        self.last_run = "captured"
         graph.replay()
 
     def _capture(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:

@@ -153,6 +153,10 @@ class EngineStats:
     num_prefill_steps: int = 0
     num_prefill_requests: int = 0  # requests in those prefills, a group's twins counted once
     num_decode_steps: int = 0
+    # Prefills by how their forward ran: "replayed" from a CUDA graph, "captured" into one (then replayed),
+    # "eager" (CPU, LoRA, a shape not captured yet or too large for a graph): count and seconds of each.
+    prefills_by_run: dict[str, int] = field(default_factory=dict)
+    prefill_s_by_run: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -557,6 +561,8 @@ class Engine:
             num_prefill_steps=counters.num_prefill_steps,
             num_prefill_requests=counters.num_prefill_requests,
             num_decode_steps=counters.num_decode_steps,
+            prefills_by_run=dict(counters.prefills_by_run),
+            prefill_s_by_run=dict(counters.prefill_s_by_run),
         )
 
     # ------------------------------------------------------------------ scheduling
@@ -603,12 +609,15 @@ class Engine:
             budget -= size
         if chosen:
             started = time.perf_counter()
-            self._prefill(chosen, twins)
+            run = self._prefill(chosen, twins)
             elapsed = time.perf_counter() - started
             self._prefill_s.append(elapsed)
-            self._counters.prefill_s += elapsed
-            self._counters.num_prefill_steps += 1
-            self._counters.num_prefill_requests += len(chosen)
+            counters = self._counters
+            counters.prefill_s += elapsed
+            counters.num_prefill_steps += 1
+            counters.num_prefill_requests += len(chosen)
+            counters.prefills_by_run[run] = counters.prefills_by_run.get(run, 0) + 1
+            counters.prefill_s_by_run[run] = counters.prefill_s_by_run.get(run, 0.0) + elapsed
         if any(r.num_cached == len(r.tokens) - 1 for r in self._running):
             self._decode()
 
@@ -677,9 +686,10 @@ class Engine:
             for adapter, indices in groups.values()
         ]
 
-    def _prefill(self, chosen: list[tuple[int, PrefixHit]], twins: list[tuple[int, int]]) -> None:
+    def _prefill(self, chosen: list[tuple[int, PrefixHit]], twins: list[tuple[int, int]]) -> str:
         """Prefill the chosen rows (each after its prefix hit, if any) in one forward; each twin (a row
-        whose tokens equal those of chosen[index]) then gets that row's keys and samples from its logits."""
+        whose tokens equal those of chosen[index]) then gets that row's keys and samples from its logits.
+        Returns how the forward ran: "replayed", "captured" (a CUDA graph) or "eager"."""
         rows = [row for row, _ in chosen]
         requests = [self._running[row] for row in rows]
         starts = [hit.length for _, hit in chosen]
@@ -687,9 +697,10 @@ class Engine:
         self.cache.reserve(len(self._running), max(len(r.tokens) for r in self._running))
         self._copy_prefixes(chosen)
         lora_groups = self._lora_groups(requests)
-        logits = None
+        logits, run = None, "eager"
         if self.graphs is not None and not lora_groups:
             logits = self.graphs.prefill(rows, [r.tokens for r in requests], starts)
+            run = self.graphs.last_run if logits is not None else run
         if logits is None:
             logits = self._eager_prefill(rows, requests, starts, lengths, lora_groups)
         device = self.device
@@ -709,6 +720,7 @@ class Engine:
                 self._counters.num_prefix_cache_hits += start
                 self.prefix_cache.add_running(request)
         self._sample([request for _, request in entries], logits)
+        return run
 
     def _eager_prefill(
         self,

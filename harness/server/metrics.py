@@ -136,6 +136,20 @@ def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -
             ({**base, "phase": "decode"}, stats.num_decode_steps),
         ],
     )
+    runs = ["replayed", "captured", "eager"]
+    metric(
+        "harness:engine_prefills_total",
+        "counter",
+        "Prefill forwards of the built-in server's engine by how they ran: replayed from a CUDA graph, "
+        "captured into one, or eager.",
+        [({**base, "run": run}, stats.prefills_by_run.get(run, 0)) for run in runs],
+    )
+    metric(
+        "harness:engine_prefill_seconds_total",
+        "counter",
+        "Seconds of the built-in server's prefill forwards (with their sampling) by how they ran.",
+        [({**base, "run": run}, stats.prefill_s_by_run.get(run, 0.0)) for run in runs],
+    )
     metric(
         "harness:engine_prefill_requests_total",
         "counter",
