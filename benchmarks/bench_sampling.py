@@ -4,8 +4,9 @@
     python benchmarks/bench_sampling.py --device cpu --rows 64 256 --logprobs 1 8
     python benchmarks/bench_sampling.py --search blocks rows   # both searches, side by side
 
-Random bf16 logits over Qwen's vocabulary (151,936), every row sampled at temperature 1 (the RL default)
-with `--logprobs` top log-probs, and an all-greedy batch for comparison. Each figure is the median of
+Random bf16 logits (`--dtype float32`: a float32 model's, as the server's on a CPU) over Qwen's vocabulary
+(151,936), every row sampled at temperature 1 (the RL default) with `--logprobs` top log-probs, and an
+all-greedy batch for comparison. Each figure is the median of
 `--iters` calls after 3 warm-up calls, with a device synchronisation after each call (the step's own
 device-to-host copy is one anyway). What it isolates: the part of a server step after the forward, which
 bench_engine.py reports as `_sample`.
@@ -59,6 +60,9 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=QWEN_VOCAB_SIZE)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="of the logits (the model's)"
+    )
+    parser.add_argument(
         "--search",
         nargs="+",
         choices=["auto", "blocks", "rows"],
@@ -69,9 +73,10 @@ def main() -> None:
     device = torch.device(args.device)
     device_default = sampling.searches_by_block
     generator = torch.Generator(device=device).manual_seed(0)
-    print(f"device {device}, vocabulary {args.vocab_size}, median of {args.iters} calls (ms)")
+    dtype = getattr(torch, args.dtype)
+    print(f"device {device}, {args.dtype} logits, vocabulary {args.vocab_size}, median of {args.iters} (ms)")
     for rows in args.rows:
-        logits = torch.randn(rows, args.vocab_size, generator=generator, device=device).to(torch.bfloat16)
+        logits = torch.randn(rows, args.vocab_size, generator=generator, device=device).to(dtype)
         for logprobs in args.logprobs:
             sampled = [SamplingParams(temperature=1.0, num_logprobs=logprobs)] * rows
             greedy = [SamplingParams(temperature=0.0, num_logprobs=logprobs)] * rows

@@ -162,3 +162,29 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
         [[1.0, -2.0, 0.5, 3.0, -2.0], [2.0, -1.0, 0.5, 3.0, -2.0], [1.0, 1.0, 1.0, 1.0, 2.0]]
     )
     assert torch.allclose(processed, expected.log_softmax(-1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.9),
+        SamplingParams(min_p=0.1),
+    ],
+    ids=["plain", "greedy", "temperature", "penalty", "top_k", "top_p", "min_p"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_processing_never_writes_into_the_models_logits(params, dtype):
+    """The logits are the model's output (or a CUDA graph's buffer): processing them works on a copy, and
+    float32 logits that nothing processes are used as they are."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
+    before = logits.clone()
+    processed = sampling.processed_logits(logits, [params, SamplingParams(), params], [[1, 2, 7]] * 3)
+    assert torch.equal(logits, before)
+    assert processed.dtype == torch.float32
+    unprocessed = dtype == torch.float32 and params in (SamplingParams(), SamplingParams(temperature=0.0))
+    assert (processed.data_ptr() == logits.data_ptr()) == unprocessed
