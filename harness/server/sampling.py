@@ -132,9 +132,9 @@ def processed_logits(
     Never modifies `logits_BV`: the result is a new tensor, except for float32 logits that no row
     processes (temperature 1, no penalty, no truncation: the usual rollout), which are returned as they
     are rather than copied. On the dev machine's 2 CPU cores (`python benchmarks/bench_sampling.py
-    --device cpu --dtype float32 --rows 64 256 --logprobs 1`, three rounds, before and after in turn) the
-    sampling step (the middle round) went from 38 to 31 ms at 64 rows and from 138 to 115 ms at 256 (greedy: 35 to
-    24, 128 to 87).
+    --device cpu --dtype float32 --rows 64 256 --logprobs 1`, three rounds, before and after in turn) a
+    sampling step (the middle round's median) went from 38 to 31 ms at 64 rows and from 138 to 115 ms at
+    256 (greedy: 35 to 24, 128 to 87).
     """
     vocab_size = logits_BV.shape[-1]
     device = logits_BV.device
