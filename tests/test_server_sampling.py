@@ -8,6 +8,8 @@ searches are checked, the two-level one (a CPU's) and the one over the whole row
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -188,3 +190,31 @@ def test_processing_never_writes_into_the_models_logits(params, dtype):
     assert processed.dtype == torch.float32
     unprocessed = dtype == torch.float32 and params in (SamplingParams(), SamplingParams(temperature=0.0))
     assert (processed.data_ptr() == logits.data_ptr()) == unprocessed
+
+
+def test_threads_sampling_at_once_with_batches_of_every_size_get_their_own_answers():
+    """On a CPU the step's weights live in a buffer reused per thread: two engines' threads sampling at
+    once, batches growing and shrinking, each gets exactly what it gets sampling alone."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 2 * CDF_BLOCK + 77, generator=generator) * 3
+    params = [SamplingParams(num_logprobs=1)] * 9
+
+    def sample(rows: int, first: int) -> tuple[list[int], list[float]]:
+        randoms = [FixedDraw((first + row) % 10 / 10 + 0.05) for row in range(rows)]
+        out = sample_next_tokens(logits[first : first + rows], params[:rows], randoms, [[]] * rows)
+        return out.token_ids_B, out.logprobs_B
+
+    plans = [[(9, 0), (2, 4), (5, 1)] * 15, [(3, 6), (8, 1), (1, 0)] * 15]
+    expected = {shape: sample(*shape) for plan in plans for shape in plan}
+    found: list[list[tuple[list[int], list[float]]]] = [[], []]
+
+    def work(index: int) -> None:
+        found[index] = [sample(*shape) for shape in plans[index]]
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for plan, answers in zip(plans, found, strict=True):
+        assert answers == [expected[shape] for shape in plan]

@@ -19,6 +19,7 @@ which other requests share the batch: the same seed gives the same tokens.
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -282,7 +283,7 @@ def launch_sampling(
     # the log of the sum of exp(logit - maximum)), so only the log-probs reported are ever formed, and the
     # draw searches the unnormalised weights exp(logit - maximum).
     best_B, argmax_B = logits_BV.max(dim=-1)
-    weights_BV = (logits_BV - best_B[:, None]).exp_()
+    weights_BV = torch.sub(logits_BV, best_B[:, None], out=_workspace(logits_BV)).exp_()
     log_total_B = best_B + weights_BV.sum(dim=-1).log()
     if all(u < 0 for u in uniforms):
         tokens = argmax_B
@@ -302,6 +303,28 @@ def launch_sampling(
     if masked_rows:
         finite_MV = torch.isfinite(logits_BV[to_device(masked_rows, torch.long, device)])
     return PendingSample(tokens, torch.cat(columns, dim=1), num_top, params_B, finite_MV)
+
+
+_cpu_workspace = threading.local()  # per thread: each engine samples on its own
+
+
+def _workspace(like_BV: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor shaped as `like_BV`, for results used within one sampling call.
+
+    On a CPU it is one buffer per thread, reused from call to call: a fresh [rows, vocabulary] tensor is
+    tens of megabytes, which the C allocator maps anew each time, and touching its fresh pages cost more
+    than the arithmetic done in them (on the dev machine, 64 rows x 151,936 tokens: 11 ms to subtract a
+    maximum into a new tensor, 1.6 ms into the reused one). It grows to the largest batch seen and lives as
+    long as the thread. On a GPU, PyTorch's caching allocator already reuses memory, and a buffer shared
+    between steps would have to wait for the step in flight: a new tensor each call.
+    """
+    if like_BV.device.type != "cpu":
+        return torch.empty(like_BV.shape, dtype=torch.float32, device=like_BV.device)
+    size = like_BV.numel()
+    buffer: torch.Tensor | None = getattr(_cpu_workspace, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _cpu_workspace.buffer = torch.empty(size, dtype=torch.float32)
+    return buffer[:size].view(like_BV.shape)
 
 
 def masked_rows_of(params_B: list[SamplingParams]) -> list[int]:
