@@ -17,9 +17,10 @@ CPU's), or one scan over each row (a GPU's). On the dev machine's CPU (idle, `--
 41 / 85 with 8; 256 rows 130 / 308 and 168 / 368; greedy batches (no draw) 29 / 39 / 116-121 / 150-157
 either way. On an H100 (`--search auto blocks rows`, median of 20): 64 rows 0.84 / 1.17 / 0.82 with
 logprobs 1, 1.16 / 1.48 / 1.17 with 8; 256 rows 1.90 / 1.94 / 1.89 and 3.02 / 2.99 / 3.00; greedy 0.43 /
-0.72 / 1.04-1.06 / 2.04-2.94. With float32 logits (a CPU server's; `--device cpu --dtype float32 --rows 64 256 --logprobs 1`, idle, the
-middle of three rounds run in turn), sampled / greedy ms: 64 rows 25.2 / 22.1 before the step's weights went
-into a buffer reused per thread and 14.5 / 12.4 after; 256 rows 92.8 / 84.8 and 57.8 / 47.1.
+0.72 / 1.04-1.06 / 2.04-2.94. With float32 logits (a CPU server's; `--device cpu --dtype float32 --rows
+64 256 --logprobs 1`, idle, the middle of three rounds run in turn), sampled / greedy ms: 64 rows 25.2 /
+22.1 before the step's weights went into a buffer reused per thread and 14.5 / 12.4 after; 256 rows 92.8
+/ 84.8 and 57.8 / 47.1.
 On an H200 the code before `--search` existed (blocks, and top log-probs
 block by block) took 1.45 ms at 64 rows, logprobs 1, where the one scan it had replaced took 0.89.
 """
