@@ -145,8 +145,9 @@ class EngineStats:
     is_paused: bool = False
     weight_version: int = 0
     # Where the engine thread's time goes (seconds since start): prefill forwards (with their sampling),
-    # decode steps (launch, and reading the step before), waiting for work; the rest is commands and
-    # bookkeeping. A decode step is one forward over every running row.
+    # the rest of each scheduling step ("decode": admission, launching the decode step, reading the one
+    # before), waiting for work; what is left is commands and bookkeeping. A decode step is one forward
+    # over every running row.
     prefill_s: float = 0.0
     decode_s: float = 0.0
     idle_s: float = 0.0
