@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import multiprocessing
 import os
@@ -55,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness.generation.server_load import parse_prometheus
+from harness.server.engine import PREFILL_RUNS
 from harness.testing.servers import start_vllm_process, stop_process_group, tail
 
 SERVED_NAME = "bench"
-PREFILL_RUNS = ("replayed", "captured", "eager")  # how the engine's prefill forwards ran
 
 
 def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str]:
@@ -260,6 +259,15 @@ def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[
     }
 
 
+def measure_with_engine(url: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`measure`, plus (for the built-in server) `engine_breakdown` over the timed waves as "engine"."""
+    readings: list[dict[str, float] | None] = []
+    row = measure(url, concurrency, args, lambda: readings.append(engine_counters(url)))
+    if readings[0] is not None and (after := engine_counters(url)) is not None:
+        row["engine"] = engine_breakdown(readings[0], after)
+    return row
+
+
 def build_model(preset: str, directory: str, device: str) -> None:
     from bench_trainer import build
 
@@ -308,11 +316,11 @@ def main(argv: list[str] | None = None) -> int:
             started_s = time.time() - start
             try:
                 for concurrency in args.concurrency:
-                    readings: list[dict[str, float] | None] = []
-                    read = functools.partial(lambda got, at: got.append(engine_counters(at)), readings, url)
-                    row = {"server": kind, "start_s": started_s, **measure(url, concurrency, args, read)}
-                    if readings[0] is not None and (after := engine_counters(url)) is not None:
-                        row["engine"] = engine_breakdown(readings[0], after)
+                    row = {
+                        "server": kind,
+                        "start_s": started_s,
+                        **measure_with_engine(url, concurrency, args),
+                    }
                     results.append(row)
                     print(json.dumps(row), flush=True)
             finally:

@@ -88,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 FinishReason = Literal["stop", "length", "abort"]
+PREFILL_RUNS = ("replayed", "captured", "eager")  # how a prefill's forward ran (`EngineStats`)
 PauseMode = Literal["keep", "wait", "abort"]
 
 
@@ -148,16 +149,23 @@ class EngineStats:
     # the rest of each scheduling step ("decode": admission, launching the decode step, reading the one
     # before), waiting for work; what is left is commands and bookkeeping. A decode step is one forward
     # over every running row.
-    prefill_s: float = 0.0
     decode_s: float = 0.0
     idle_s: float = 0.0
-    num_prefill_steps: int = 0
-    num_prefill_requests: int = 0  # requests in those prefills, a group's twins counted once
+    num_prefill_requests: int = 0  # requests in the prefills, a group's twins counted once
     num_decode_steps: int = 0
-    # Prefills by how their forward ran: "replayed" from a CUDA graph, "captured" into one (then replayed),
-    # "eager" (CPU, LoRA, a shape not captured yet or too large for a graph): count and seconds of each.
+    # Prefills by how their forward ran (`PREFILL_RUNS`): "replayed" from a CUDA graph, "captured" into one
+    # (then replayed), "eager" (CPU, LoRA, a shape not captured yet or too large for a graph): count and
+    # seconds of each.
     prefills_by_run: dict[str, int] = field(default_factory=dict)
     prefill_s_by_run: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(self.prefill_s_by_run.values())
+
+    @property
+    def num_prefill_steps(self) -> int:
+        return sum(self.prefills_by_run.values())
 
 
 @dataclass
@@ -556,10 +564,8 @@ class Engine:
             max_num_seqs=self.max_num_seqs,
             is_paused=self._paused,
             weight_version=counters.weight_version,
-            prefill_s=counters.prefill_s,
             decode_s=counters.decode_s,
             idle_s=counters.idle_s,
-            num_prefill_steps=counters.num_prefill_steps,
             num_prefill_requests=counters.num_prefill_requests,
             num_decode_steps=counters.num_decode_steps,
             prefills_by_run=dict(counters.prefills_by_run),
@@ -614,8 +620,6 @@ class Engine:
             elapsed = time.perf_counter() - started
             self._prefill_s.append(elapsed)
             counters = self._counters
-            counters.prefill_s += elapsed
-            counters.num_prefill_steps += 1
             counters.num_prefill_requests += len(chosen)
             counters.prefills_by_run[run] = counters.prefills_by_run.get(run, 0) + 1
             counters.prefill_s_by_run[run] = counters.prefill_s_by_run.get(run, 0.0) + elapsed
@@ -968,6 +972,7 @@ class Engine:
 
 
 __all__ = [
+    "PREFILL_RUNS",
     "Engine",
     "EngineClosedError",
     "EngineStats",

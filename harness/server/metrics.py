@@ -11,7 +11,7 @@ unit here), so KV tokens / max_model_len gives the number of full-length request
 
 from __future__ import annotations
 
-from harness.server.engine import EngineStats
+from harness.server.engine import PREFILL_RUNS, EngineStats
 
 BLOCK_SIZE_TOKENS = 16
 
@@ -136,19 +136,18 @@ def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -
             ({**base, "phase": "decode"}, stats.num_decode_steps),
         ],
     )
-    runs = ["replayed", "captured", "eager"]
     metric(
         "harness:engine_prefills_total",
         "counter",
         "Prefill forwards of the built-in server's engine by how they ran: replayed from a CUDA graph, "
         "captured into one, or eager.",
-        [({**base, "run": run}, stats.prefills_by_run.get(run, 0)) for run in runs],
+        [({**base, "run": run}, stats.prefills_by_run.get(run, 0)) for run in PREFILL_RUNS],
     )
     metric(
         "harness:engine_prefill_seconds_total",
         "counter",
         "Seconds of the built-in server's prefill forwards (with their sampling) by how they ran.",
-        [({**base, "run": run}, stats.prefill_s_by_run.get(run, 0.0)) for run in runs],
+        [({**base, "run": run}, stats.prefill_s_by_run.get(run, 0.0)) for run in PREFILL_RUNS],
     )
     metric(
         "harness:engine_prefill_requests_total",
