@@ -16,7 +16,8 @@ import pytest
 import torch
 from engine_requests import Outputs, run_requests
 
-from harness.server.cuda_graphs import StepGraphs, bucket
+from harness.server import cuda_graphs
+from harness.server.cuda_graphs import StepGraphs, bucket, token_bucket
 from harness.server.engine import Engine, GenerationOutput
 from harness.server.sampling import SamplingParams
 from harness.testing import build_tiny_qwen3
@@ -85,6 +86,17 @@ def test_bucket_pads_to_a_power_of_two_within_the_limit():
     assert bucket(40, 48) == 48  # capped by what the cache holds
     assert bucket(3, 512, minimum=64) == 64
     assert bucket(65, 512, minimum=64) == 128
+
+
+def test_token_bucket_pads_new_tokens_by_at_most_half():
+    sizes = [1, 16, 17, 24, 25, 33, 49, 96, 97, 129, 160, 193, 1000]
+    assert [token_bucket(n, 4096, minimum=16) for n in sizes] == [
+        16, 16, 24, 24, 32, 48, 64, 96, 128, 192, 192, 256, 1024,
+    ]  # fmt: skip
+    assert token_bucket(150, 160) == 160  # capped by the cache's length
+    for n in range(1, 3000):
+        padded = token_bucket(n, 1 << 20)
+        assert n <= padded <= max(2, 3 * n // 2 + 1)
 
 
 def test_the_padded_step_decodes_exactly_as_the_eager_one():
@@ -190,6 +202,58 @@ def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs()
     engine.cache.reserve(8, 128)  # the cache grows: every graph is dropped ...
     assert prefill().equal(first) and graphs.num_captures == 3  # ... and a recurring shape captured at once
     assert graphs.num_forwards == {"prefill": 5, "decode": 2}
+
+
+def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(monkeypatch):
+    # Graphs of at most 64 new tokens: prompts of 50, 9, 30, 20 and 12 tokens make a graph of one (50 -> 64
+    # tokens), one of two (30 and 20 -> 32 each) and one of two (12 and 9 -> 16 each), the first two with
+    # a padding row. Each request's logits come back in the caller's order, equal to a forward of its
+    # prompt alone, and its keys land in its own row.
+    monkeypatch.setattr(cuda_graphs, "MAX_PREFILL_GRAPH_TOKENS", 64)
+    model = build_tiny_qwen3()
+    engine = make_engine(model, graphs="none")
+    graphs = RecordingGraphs(model, engine.cache)
+    engine.cache.reserve(8, 64)
+    prompts = [list(range(10, 60)), list(range(70, 79)), list(range(100, 130)), [3] * 20, [4, 5] * 6]
+    rows = [4, 0, 2, 1, 3]
+    shapes = [chunk[1:] for chunk in graphs._chunks([len(p) for p in prompts], [len(p) for p in prompts])]
+    assert shapes == [(1, 64, 64), (2, 32, 64), (2, 16, 64)]
+    with torch.inference_mode():
+        logits = graphs.prefill(rows, prompts, [0] * 5).clone()
+        assert graphs.last_run == "eager" and graphs.num_forwards["prefill"] == 3
+        for _ in range(2):  # every shape's third use captures it
+            assert graphs.prefill(rows, prompts, [0] * 5).equal(logits)
+        assert graphs.last_run == "captured" and graphs.num_captures == 3
+        assert graphs.prefill(rows, prompts, [0] * 5).equal(logits) and graphs.last_run == "replayed"
+        reference = build_tiny_qwen3()
+        for prompt, row, row_logits in zip(prompts, rows, logits, strict=True):
+            output = reference(torch.tensor([prompt]), use_cache=True)
+            torch.testing.assert_close(row_logits, output.logits[0, -1], atol=1e-5, rtol=1e-5)
+            keys, _ = engine.cache.rows(0, 5, len(prompt))
+            expected = output.past_key_values.layers[0].keys[0]
+            torch.testing.assert_close(keys[row], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_prefills_generate_as_the_eager_engine_does(monkeypatch):
+    # The engine's own prefills, with prefixes from the prefix cache and a group's twins, split into graphs
+    # of at most 32 new tokens: greedy outputs equal a direct forward's.
+    monkeypatch.setattr(cuda_graphs, "MAX_PREFILL_GRAPH_TOKENS", 32)
+    engine = make_engine(build_tiny_qwen3(), graphs="padded")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, num_logprobs=0)
+    engine.start()
+    try:
+        (first,) = run_requests(engine, [list(range(40, 60))], greedy)
+        second_turn = first.prompt_ids + first.output_ids + [7, 8, 9]
+        prompts = [second_turn, list(range(200, 225)), [3, 1, 4], [3, 1, 4], list(range(300, 310))]
+        outputs = run_requests(engine, prompts, greedy, together=True)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert engine.graphs.num_forwards["prefill"] >= 4  # the second prefill took more than one graph
+    assert stats.num_prefix_cache_hits >= len(first.prompt_ids) + len(first.output_ids) - 1
+    reference = build_tiny_qwen3()
+    for output in [first, *outputs]:
+        assert_greedy_matches(reference, output, atol=1e-4)
 
 
 def test_the_engine_counts_its_prefills_by_how_they_ran():

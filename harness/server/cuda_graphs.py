@@ -47,7 +47,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
@@ -69,6 +69,25 @@ def bucket(size: int, limit: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(size, minimum), at most `limit` (which must be >= size)."""
     padded = max(minimum, 1 << max(0, size - 1).bit_length())
     return min(padded, limit)
+
+
+def token_bucket(size: int, limit: int, minimum: int = 1) -> int:
+    """The smallest power of two or 1.5 x a power of two >= max(size, minimum), at most `limit`: a
+    prefill's new tokens pad by at most half (a third on average over a spread of prompt lengths) where
+    powers of two alone pad by up to double."""
+    padded = bucket(size, 1 << 62, minimum)
+    if padded >= 4 and padded * 3 // 4 >= max(size, minimum):
+        padded = padded * 3 // 4
+    return min(padded, limit)
+
+
+class PrefillChunk(NamedTuple):
+    """One graph's share of a prefill: which requests (indices into the prefill's lists) and its shape."""
+
+    members: list[int]
+    padded_batch: int
+    new_tokens: int
+    key_positions: int
 
 
 class StepGraphs:
@@ -154,36 +173,81 @@ class StepGraphs:
     ) -> torch.Tensor | None:
         """Logits [B, vocab] at the last token of each request, after storing the keys of its tokens from
         `starts[b]` on in cache row `rows[b]` (positions before `starts[b]` already hold its prefix); None
-        when the prefill is too large for a graph (the engine then runs it eagerly).
+        when a request has more new tokens, or keys, than one graph holds (the engine then runs the
+        prefill eagerly).
 
-        The cache must hold those rows and positions. The result is a view the next forward overwrites.
+        A batch larger than one graph holds runs as several graphs, longest requests first (module
+        docstring). The cache must hold those rows and positions. The result may be a view the next
+        forward overwrites.
         """
         num_batch = len(rows)
         lengths = [len(tokens) - start for tokens, start in zip(token_lists, starts, strict=True)]
         self._drop_stale()
-        padded_batch = bucket(num_batch, self.cache.max_rows)
-        new_tokens = bucket(max(lengths), self.cache.max_length, MIN_PREFILL_TOKENS)
-        longest = max(len(tokens) for tokens in token_lists)
-        key_positions = bucket(longest, self.cache.allocated_length, MIN_KEY_POSITIONS)
-        if (
-            padded_batch * new_tokens > MAX_PREFILL_GRAPH_TOKENS
-            or padded_batch * key_positions > MAX_PREFILL_GRAPH_KEYS
-        ):
+        if max(lengths) > min(self.cache.max_length, MAX_PREFILL_GRAPH_TOKENS):
             return None
-        padding = padded_batch - num_batch
-        scratch = self.cache.scratch_row
-        host_3R = torch.tensor(
-            [rows + [scratch] * padding, starts + [0] * padding, lengths + [0] * padding], dtype=torch.long
-        )
-        host_tokens = torch.zeros(padded_batch * new_tokens, dtype=torch.long)
-        for b, (tokens, start) in enumerate(zip(token_lists, starts, strict=True)):
-            end = (b + 1) * new_tokens
-            host_tokens[end - lengths[b] : end] = torch.tensor(tokens[start:])
-        self._prefill_3R[:, :padded_batch].copy_(host_3R, non_blocking=True)
-        self._prefill_tokens[: padded_batch * new_tokens].copy_(host_tokens, non_blocking=True)
-        shape = (padded_batch, new_tokens, key_positions)
+        chunks = self._chunks(lengths, [len(tokens) for tokens in token_lists])
+        if chunks is None:
+            return None
+        if len(chunks) == 1:  # the requests in their own order: the logits buffer is the answer
+            self._prefill_chunk(chunks[0]._replace(members=list(range(num_batch))), rows, token_lists, starts)
+            return self._logits_RV[:num_batch]
+        logits = torch.empty_like(self._logits_RV[:num_batch])
+        runs = []
+        for chunk in chunks:
+            self._prefill_chunk(chunk, rows, token_lists, starts)
+            runs.append(self.last_run)
+            members = to_device(chunk.members, torch.long, logits.device)
+            logits.index_copy_(0, members, self._logits_RV[: len(chunk.members)])
+        self.last_run = next(run for run in ("eager", "captured", "replayed") if run in runs)
+        return logits
+
+    def _chunks(self, lengths: list[int], totals: list[int]) -> list[PrefillChunk] | None:
+        """The graphs a prefill runs as, longest requests first: each holds as many requests as its
+        new-token bucket lets one graph hold (and its key positions let it gather); None when one
+        request's keys alone are more than a graph gathers."""
+        order = sorted(range(len(lengths)), key=lambda b: -lengths[b])
+        chunks = []
+        while order:
+            new_tokens = token_bucket(lengths[order[0]], self.cache.max_length, MIN_PREFILL_TOKENS)
+            capacity = min(MAX_PREFILL_GRAPH_TOKENS // new_tokens, self.cache.max_rows)
+            capacity = 1 << (capacity.bit_length() - 1)  # a power of two, as the batch buckets are
+            while True:
+                members = order[:capacity]
+                longest = max(totals[b] for b in members)
+                key_positions = bucket(longest, self.cache.allocated_length, MIN_KEY_POSITIONS)
+                padded_batch = bucket(len(members), capacity)
+                if padded_batch * key_positions <= MAX_PREFILL_GRAPH_KEYS:
+                    break
+                if capacity == 1:
+                    return None
+                capacity //= 2
+            chunks.append(PrefillChunk(members, padded_batch, new_tokens, key_positions))
+            order = order[len(members) :]
+        return chunks
+
+    def _prefill_chunk(
+        self, chunk: PrefillChunk, rows: list[int], token_lists: list[list[int]], starts: list[int]
+    ) -> None:
+        """Run one graph of a prefill: its logits land in rows 0..len(chunk.members)-1 of the logits
+        buffer. The inputs come from pinned memory, so the host goes on to the next chunk while it runs."""
+        padded_batch, new_tokens = chunk.padded_batch, chunk.new_tokens
+        padding = padded_batch - len(chunk.members)
+        host_3R: list[list[int]] = [[], [], []]
+        host_tokens: list[int] = []
+        for b in chunk.members:
+            new = token_lists[b][starts[b] :]
+            host_3R[0].append(rows[b])
+            host_3R[1].append(starts[b])
+            host_3R[2].append(len(new))
+            host_tokens += [0] * (new_tokens - len(new)) + new  # left-padded
+        for values, pad in zip(host_3R, (self.cache.scratch_row, 0, 0), strict=True):
+            values += [pad] * padding
+        host_tokens += [0] * (padding * new_tokens)
+        device = self._prefill_3R.device
+        self._prefill_3R[:, :padded_batch].copy_(to_device(host_3R, torch.long, device))
+        self._prefill_tokens[: padded_batch * new_tokens].copy_(to_device(host_tokens, torch.long, device))
+        shape = (padded_batch, new_tokens, chunk.key_positions)
         self._replay("prefill", shape, lambda: self._prefill_forward(*shape))
-        return self._logits_RV[:num_batch]
 
     def _prefill_forward(self, padded_batch: int, new_tokens: int, key_positions: int) -> None:
         """The padded prefill as the graph records it: the eager prefill's left-padded layout, every query
@@ -278,4 +342,4 @@ class StepGraphs:
         return graph
 
 
-__all__ = ["StepGraphs", "bucket"]
+__all__ = ["StepGraphs", "bucket", "token_bucket"]
