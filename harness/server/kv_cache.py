@@ -60,6 +60,7 @@ class ForwardBatch:
         rows_B: Cache row of each batch entry.
         write_batch_N, write_token_N, write_position_N: For each real (non-padding) new token: its batch
             entry, its index in the padded batch and its position in the sequence (where its key is stored).
+            A decode batch writes every entry's one token: batch entry i is written i-th.
         attn_mask: Boolean, True where a query may attend: [B, 1, T, T] for a prefill of fresh requests,
             [B, 1, T, L] for one where some continue a cached prefix, [B, 1, 1, L] for decode.
         kv_length: The number of cache positions attended (the longest sequence in the batch) for decode,
@@ -67,7 +68,11 @@ class ForwardBatch:
             attends over the new keys only.
         lora_groups: For LoRA adapters used in this batch: (adapter, batch entries that use it).
         write_row_N: The cache row of each written token when it is not its batch entry's row (padding
-            tokens of a padded batch go to the cache's scratch row); None: `rows_B[write_batch_N]`.
+            tokens of a padded batch go to the cache's scratch row); None: `rows_B[write_batch_N]`, filled
+            in at construction.
+        attn_bias: `attn_mask` as the additive mask (0 or -inf, the cache's dtype) every layer's attention
+            takes, made once per forward (a boolean mask would be converted by each layer's attention
+            call: two kernels a layer, which in a decode step bound by its number of kernels is time).
     """
 
     mode: Literal["prefill", "decode"]
@@ -80,6 +85,15 @@ class ForwardBatch:
     kv_length: int = 0
     lora_groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     write_row_N: torch.Tensor | None = None
+    attn_bias: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.write_row_N is None:
+            self.write_row_N = self.rows_B[self.write_batch_N]
+        bias = torch.full(
+            self.attn_mask.shape, float("-inf"), dtype=self.cache.dtype, device=self.attn_mask.device
+        )
+        self.attn_bias = bias.masked_fill_(self.attn_mask, 0.0)
 
 
 _current_batch: ContextVar[ForwardBatch | None] = ContextVar("harness_forward_batch", default=None)
@@ -246,13 +260,13 @@ class RowKVCache:
 
     def write(self, layer: int, batch: ForwardBatch, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the real new tokens' keys and values ([B, kv_heads, T, head_dim]) at their positions."""
-        rows_N = batch.rows_B[batch.write_batch_N] if batch.write_row_N is None else batch.write_row_N
-        self._keys[layer][rows_N, :, batch.write_position_N] = keys[
-            batch.write_batch_N, :, batch.write_token_N
-        ]
-        self._values[layer][rows_N, :, batch.write_position_N] = values[
-            batch.write_batch_N, :, batch.write_token_N
-        ]
+        if batch.mode == "decode":  # every entry's one token, in batch order: no gather needed
+            keys_N, values_N = keys[:, :, 0], values[:, :, 0]
+        else:
+            keys_N = keys[batch.write_batch_N, :, batch.write_token_N]
+            values_N = values[batch.write_batch_N, :, batch.write_token_N]
+        self._keys[layer][batch.write_row_N, :, batch.write_position_N] = keys_N
+        self._values[layer][batch.write_row_N, :, batch.write_position_N] = values_N
 
     def rows(self, layer: int, num_rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of rows 0..num_rows-1, positions 0..length-1: [num_rows, kv_heads, length, head_dim]."""
@@ -293,7 +307,7 @@ def row_cache_attention(
             key = key.reshape(num_batch, num_heads, num_keys, head_dim)
             value = value[:, :, None].expand(num_batch, num_kv_heads, group, num_keys, head_dim)
             value = value.reshape(num_batch, num_heads, num_keys, head_dim)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.attn_mask, scale=scaling)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.attn_bias, scale=scaling)
         return out.transpose(1, 2), None
     # Decode: one query per row. The query heads that share a key head become that head's "query positions",
     # so attention runs on the kv heads without materialising repeated keys.
@@ -301,7 +315,7 @@ def row_cache_attention(
     keys, values = cache.rows(layer, num_rows, batch.kv_length)
     grouped_query = query.reshape(num_rows, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(
-        grouped_query, keys, values, attn_mask=batch.attn_mask, scale=scaling
+        grouped_query, keys, values, attn_mask=batch.attn_bias, scale=scaling
     )
     return out.reshape(num_rows, num_heads, 1, head_dim).transpose(1, 2), None
 
