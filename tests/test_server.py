@@ -289,6 +289,29 @@ def test_metrics_parse_with_vllm_names(server):
     assert load.kv_cache_usage is not None and 0.0 <= load.kv_cache_usage <= 1.0
 
 
+def test_metrics_time_each_generation_request_over_http(server):
+    async def flow() -> list:
+        status, _ = await post_json(
+            server, "/v1/completions", {"model": "tiny-qwen3", "prompt": [5, 6, 7], "max_tokens": 4}
+        )
+        assert status == 200
+        async with aiohttp.ClientSession() as session, session.get(server.base_url + "/metrics") as response:
+            return parse_prometheus(await response.text())
+
+    before = {(s.name, s.labels.get("handler")): s.value for s in run(flow)}
+    after = {(s.name, s.labels.get("handler")): s.value for s in run(flow)}
+    key = ("http_request_duration_seconds_count", "/v1/completions")
+    assert after[key] == before[key] + 1
+    assert after[("http_request_duration_seconds_count", "/inference/v1/generate")] >= 0
+    assert after[("http_request_duration_seconds_sum", "/v1/completions")] > 0
+    # the handler's time holds the engine's time of the same request
+    http_s = after[("http_request_duration_seconds_sum", "/v1/completions")]
+    http_s -= before[("http_request_duration_seconds_sum", "/v1/completions")]
+    e2e_s = after[("vllm:e2e_request_latency_seconds_sum", None)]
+    e2e_s -= before[("vllm:e2e_request_latency_seconds_sum", None)]
+    assert 0 < e2e_s <= http_s
+
+
 # ---------------------------------------------------------------------- pause, abandon
 
 

@@ -15,6 +15,7 @@ from engine_requests import run_requests
 
 from harness.generation.server_load import parse_prometheus
 from harness.server.engine import Engine, GenerationOutput
+from harness.server.histograms import Histogram
 from harness.server.kv_cache import RowKVCache
 from harness.server.metrics import render_metrics
 from harness.server.sampling import SamplingParams
@@ -174,3 +175,52 @@ def test_phase_counters_count_the_forwards_and_split_the_thread_time():
         ("harness:engine_steps_total", "decode"): 8,
         ("harness:engine_prefill_requests_total", None): 4,
     }
+
+
+def test_a_histogram_counts_each_observation_in_the_first_bucket_that_holds_it():
+    histogram = Histogram((0.1, 0.5, 1.0))
+    for value in (0.05, 0.1, 0.3, 1.0, 2.0):
+        histogram.observe(value)
+    snapshot = histogram.snapshot()
+    assert snapshot.cumulative == (2, 3, 4)  # a value on a bound is in that bucket; 2.0 only in +Inf
+    assert (snapshot.count, snapshot.sum) == (5, pytest.approx(3.45))
+    with pytest.raises(ValueError, match="increase"):
+        Histogram((1.0, 0.5))
+
+
+def test_latency_histograms_follow_each_request_from_submission_to_its_end():
+    """One row: the second of two requests submitted together waits in the queue while the first runs, so
+    the queue time is about a third of the end-to-end times summed; an aborted request is not counted."""
+    engine = Engine(
+        build_tiny_qwen3(),
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_ids=[],
+        kv_cache_tokens=8 * 64,
+        max_num_seqs=1,
+    )
+    engine.start()
+    try:
+        prompts = [[5, 6, 7], [8, 9, 10]]
+        run_requests(engine, prompts, SamplingParams(max_tokens=40, temperature=0.0), together=True)
+        engine.pause("keep").result(10)
+        aborted = threading.Event()
+        engine.submit([1, 2], SamplingParams(max_tokens=4), lambda output: aborted.set(), request_id="gone")
+        engine.abort("gone")
+        engine.resume().result(10)
+        assert aborted.wait(10)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert stats.num_finished["abort"] == 1
+    queue, first, e2e = stats.queue_time, stats.time_to_first_token, stats.e2e_latency
+    assert queue.count == first.count == e2e.count == 2
+    assert 0 < queue.sum < first.sum < e2e.sum
+    assert queue.sum > 0.2 * e2e.sum  # the second request queued through the first one's whole run
+    samples = parse_prometheus(render_metrics(stats, model_name="m", max_model_len=MAX_MODEL_LEN))
+    buckets = [s for s in samples if s.name == "vllm:e2e_request_latency_seconds_bucket"]
+    counts = [s.value for s in buckets]
+    assert buckets[-1].labels["le"] == "+Inf" and counts[-1] == 2 and counts == sorted(counts)
+    shown = {s.name: s.value for s in samples if s.name.endswith(("_sum", "_count"))}
+    assert shown["vllm:request_queue_time_seconds_count"] == 2
+    assert shown["vllm:time_to_first_token_seconds_sum"] == pytest.approx(first.sum)
+    assert shown["vllm:e2e_request_latency_seconds_sum"] == pytest.approx(e2e.sum)

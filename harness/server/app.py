@@ -42,6 +42,7 @@ from aiohttp import web
 from harness import __version__
 from harness.server.api_servers import ApiServers
 from harness.server.engine import EngineClosedError, GenerationOutput
+from harness.server.histograms import REQUEST_LATENCY_BUCKETS_S, Histogram
 from harness.server.lora import LoraError
 from harness.server.metrics import render_metrics
 from harness.server.protocol import (
@@ -73,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 _STATE = web.AppKey("state", ServerState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+GENERATION_ROUTES = ("/v1/completions", "/inference/v1/generate")
 
 
 def _error(status: int, message: str, param: str | None = None) -> web.Response:
@@ -159,12 +161,30 @@ def generation_routes(served: ServedModel, generated: Generate) -> list[web.Rout
         result = await generated(parsed)
         return web.json_response(generate_response(parsed, result, model_name=parsed.model or served.name))
 
-    return [web.post("/v1/completions", completions), web.post("/inference/v1/generate", generate)]
+    return [web.post(GENERATION_ROUTES[0], completions), web.post(GENERATION_ROUTES[1], generate)]
+
+
+def timed_routes(durations: dict[str, Histogram]) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """A middleware observing how long each POST to a route in `durations` took, answered or failed."""
+
+    @web.middleware
+    async def timed(request: web.Request, handler: Handler) -> web.StreamResponse:
+        histogram = durations.get(request.path) if request.method == "POST" else None
+        if histogram is None:
+            return await handler(request)
+        started = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            histogram.observe(time.perf_counter() - started)
+
+    return timed
 
 
 def build_app(state: ServerState) -> web.Application:
     """The aiohttp application serving `state`."""
-    app = web.Application(middlewares=[errors_as_json], client_max_size=64 * 2**20)
+    durations = {route: Histogram(REQUEST_LATENCY_BUCKETS_S) for route in GENERATION_ROUTES}
+    app = web.Application(middlewares=[timed_routes(durations), errors_as_json], client_max_size=64 * 2**20)
     app[_STATE] = state
     started_at = int(time.time())
 
@@ -226,7 +246,10 @@ def build_app(state: ServerState) -> web.Application:
 
     async def metrics(request: web.Request) -> web.Response:
         text = render_metrics(
-            state.engine.stats(), model_name=state.model_name, max_model_len=state.max_model_len
+            state.engine.stats(),
+            model_name=state.model_name,
+            max_model_len=state.max_model_len,
+            http_durations={route: histogram.snapshot() for route, histogram in durations.items()},
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 

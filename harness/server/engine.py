@@ -67,6 +67,12 @@ import torch
 
 from harness.server.cuda_graphs import MIN_PREFILL_TOKENS, StepGraphs
 from harness.server.device_copies import to_device
+from harness.server.histograms import (
+    REQUEST_LATENCY_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    Histogram,
+    HistogramSnapshot,
+)
 from harness.server.kv_cache import (
     ATTN_IMPLEMENTATION,
     ForwardBatch,
@@ -158,6 +164,17 @@ class EngineStats:
     # seconds of each.
     prefills_by_run: dict[str, int] = field(default_factory=dict)
     prefill_s_by_run: dict[str, float] = field(default_factory=dict)
+    # Each request that ended with "stop" or "length", from its submission to the engine: until it was
+    # first admitted (queue time), until its first token, until it ended (vLLM's histograms of those names).
+    queue_time: HistogramSnapshot = field(
+        default_factory=lambda: HistogramSnapshot.empty(REQUEST_LATENCY_BUCKETS_S)
+    )
+    time_to_first_token: HistogramSnapshot = field(
+        default_factory=lambda: HistogramSnapshot.empty(TTFT_BUCKETS_S)
+    )
+    e2e_latency: HistogramSnapshot = field(
+        default_factory=lambda: HistogramSnapshot.empty(REQUEST_LATENCY_BUCKETS_S)
+    )
 
     @property
     def prefill_s(self) -> float:
@@ -184,6 +201,8 @@ class _Request:
     output_candidates: list[list[int]] = field(default_factory=list)
     num_cached: int = 0  # positions whose keys are in the cache row (or will be, once queued work runs)
     finished: bool = False
+    admitted_s: float | None = None  # time.monotonic() when first admitted (a preempted one keeps it)
+    first_token_s: float | None = None
 
     @property
     def num_output(self) -> int:
@@ -286,6 +305,9 @@ class Engine:
         self._error: BaseException | None = None
         self._stats = EngineStats(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
         self._counters = EngineStats(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs)
+        self._queue_time = Histogram(REQUEST_LATENCY_BUCKETS_S)
+        self._time_to_first_token = Histogram(TTFT_BUCKETS_S)
+        self._e2e_latency = Histogram(REQUEST_LATENCY_BUCKETS_S)
         # Outputs of finished requests, handed to their callbacks once the stats that count them are
         # published: a client that has its answer never reads a /metrics that has not counted it yet.
         self._outputs: list[tuple[DoneCallback, GenerationOutput]] = []
@@ -570,6 +592,9 @@ class Engine:
             num_decode_steps=counters.num_decode_steps,
             prefills_by_run=dict(counters.prefills_by_run),
             prefill_s_by_run=dict(counters.prefill_s_by_run),
+            queue_time=self._queue_time.snapshot(),
+            time_to_first_token=self._time_to_first_token.snapshot(),
+            e2e_latency=self._e2e_latency.snapshot(),
         )
 
     # ------------------------------------------------------------------ scheduling
@@ -642,6 +667,8 @@ class Engine:
                 break
             self._waiting.popleft()
             request.num_cached = 0
+            if request.admitted_s is None:
+                request.admitted_s = time.monotonic()
             self._running.append(request)
             longest = needed
             budget -= size
@@ -916,6 +943,8 @@ class Engine:
                 continue
             token = sampled.token_ids_B[i]
             request.tokens.append(token)
+            if request.first_token_s is None:
+                request.first_token_s = time.monotonic()
             self._counters.num_generation_tokens += 1
             if request.params.num_logprobs is not None:
                 request.output_logprobs.append(sampled.logprobs_B[i])
@@ -951,6 +980,10 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request)
         self._counters.num_finished[reason] += 1
+        if reason != "abort" and request.admitted_s is not None and request.first_token_s is not None:
+            self._queue_time.observe(request.admitted_s - request.submitted_s)
+            self._time_to_first_token.observe(request.first_token_s - request.submitted_s)
+            self._e2e_latency.observe(time.monotonic() - request.submitted_s)
         wants_logprobs = request.params.num_logprobs is not None
         output = GenerationOutput(
             request_id=request.id,

@@ -11,7 +11,10 @@ unit here), so KV tokens / max_model_len gives the number of full-length request
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from harness.server.engine import PREFILL_RUNS, EngineStats
+from harness.server.histograms import HistogramSnapshot
 
 BLOCK_SIZE_TOKENS = 16
 
@@ -23,8 +26,15 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{key}="{escape(value)}"' for key, value in labels.items()) + "}"
 
 
-def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -> str:
-    """Prometheus text exposition (version 0.0.4) of the engine's state."""
+def render_metrics(
+    stats: EngineStats,
+    *,
+    model_name: str,
+    max_model_len: int,
+    http_durations: Mapping[str, HistogramSnapshot] | None = None,
+) -> str:
+    """Prometheus text exposition (version 0.0.4) of the engine's state; `http_durations`: the HTTP
+    layer's time per generation route ("/v1/completions", ...), as vLLM's server reports it."""
     base = {"engine": "0", "model_name": model_name}
     lines: list[str] = []
 
@@ -33,6 +43,18 @@ def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -
         lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
             lines.append(f"{name}{_labels(labels)} {float(value)!r}")
+
+    def histogram(name: str, help_text: str, series: list[tuple[dict[str, str], HistogramSnapshot]]) -> None:
+        samples: list[tuple[str, dict[str, str], float]] = []
+        for labels, snapshot in series:
+            for bound, count in zip(snapshot.bounds, snapshot.cumulative, strict=True):
+                samples.append((f"{name}_bucket", {**labels, "le": repr(float(bound))}, count))
+            samples.append((f"{name}_bucket", {**labels, "le": "+Inf"}, snapshot.count))
+            samples.append((f"{name}_sum", labels, snapshot.sum))
+            samples.append((f"{name}_count", labels, snapshot.count))
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} histogram")
+        lines.extend(f"{sample}{_labels(labels)} {float(value)!r}" for sample, labels, value in samples)
 
     metric(
         "vllm:num_requests_running",
@@ -155,4 +177,25 @@ def render_metrics(stats: EngineStats, *, model_name: str, max_model_len: int) -
         "Requests prefilled by the built-in server's engine (a group's identical prompts counted once).",
         [(base, stats.num_prefill_requests)],
     )
+    histogram(
+        "vllm:request_queue_time_seconds",
+        "Seconds from a request's submission to the engine until it was first admitted to a batch.",
+        [(base, stats.queue_time)],
+    )
+    histogram(
+        "vllm:time_to_first_token_seconds",
+        "Seconds from a request's submission to the engine until its first token was sampled.",
+        [(base, stats.time_to_first_token)],
+    )
+    histogram(
+        "vllm:e2e_request_latency_seconds",
+        "Seconds from a request's submission to the engine until it ended (stop or length).",
+        [(base, stats.e2e_latency)],
+    )
+    if http_durations:
+        histogram(
+            "http_request_duration_seconds",
+            "Seconds the HTTP handler of a generation route took, from the request to its answer.",
+            [({"handler": route, "method": "POST"}, snapshot) for route, snapshot in http_durations.items()],
+        )
     return "\n".join(lines) + "\n"
