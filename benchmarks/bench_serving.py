@@ -22,12 +22,18 @@ request ~`--prompt-len` random tokens in, exactly `--max-tokens` out (ignore_eos
 seed, logprobs=1 (the sampled token's processed log-prob and the top-1, as the rollout worker asks): one
 wave of C requests first (warm-up: kernels, CUDA graph captures, connections; reported as `first_wave_s`),
 then `--waves` waves timed. Reported: generated tokens/s over the timed waves (all processes' tokens over
-the wall time from the first send to the last reply), requests/s, p50/p95 request latency, and the client
-processes' CPU seconds per second of wall time (near 1.0 per process would mean a client is the limit).
-Several processes, each with its own event loop, so one Python client is not what is measured.
+the wall time from the first send to the last reply), requests/s, p50/p95 request latency, the client
+processes' CPU seconds per second of wall time (near 1.0 per process would mean a client is the limit),
+and their CPU milliseconds per request. Several processes (8 by default), each with its own event loop, so
+one Python client is not what is measured: when a wave ends, each process parses its share of the answers
+one by one before its last request goes out again, so its share times the ms per request is what the
+client adds to a wave's turnover (at 64 in flight, 8 requests a process).
 For the built-in server, a second table splits its engine thread's time over the timed waves (the
 harness:engine_* counters of /metrics): prefill forwards, decode steps, idle, with how often each ran and
-how each prefill's forward ran (replayed from a CUDA graph, captured, or eager).
+how each prefill's forward ran (replayed from a CUDA graph, captured, or eager); a third splits a request's
+mean time (its latency histograms): queued, until its first token, in the engine, in the HTTP handler,
+against the clients' mean latency, so the time outside the server (the client, the network) is the last
+column less the one before.
 """
 
 from __future__ import annotations
@@ -169,10 +175,15 @@ def _client_process(
 
 
 def measure(
-    url: str, concurrency: int, args: argparse.Namespace, on_timed_start: Any = None
+    url: str,
+    concurrency: int,
+    args: argparse.Namespace,
+    on_timed_start: Any = None,
+    on_timed_end: Any = None,
 ) -> dict[str, Any]:
     """Generated tokens/s at `concurrency` requests in flight, spread over the client processes;
-    `on_timed_start()`, when given, is called once the warm-up wave is over, as the timed waves start."""
+    `on_timed_start()`, when given, is called once the warm-up wave is over, as the timed waves start, and
+    `on_timed_end()` as soon as every process has reported its last reply (before they exit)."""
     context = multiprocessing.get_context("spawn")
     num_processes = min(args.client_processes, concurrency)
     barrier = context.Barrier(num_processes + 1)
@@ -200,6 +211,8 @@ def measure(
     if on_timed_start is not None:
         on_timed_start()
     outcomes = [results.get(timeout=1800) for _ in processes]
+    if on_timed_end is not None:
+        on_timed_end()
     failed = [o["error"] for o in outcomes if "error" in o]
     if failed:
         raise RuntimeError(f"a client process failed: {failed[0]}")
@@ -216,14 +229,28 @@ def measure(
         "wall_s": wall_s,
         "tokens_per_s": tokens / wall_s,
         "requests_per_s": len(latencies) / wall_s,
+        "latency_mean_s": statistics.fmean(latencies),
         "latency_p50_s": statistics.median(latencies),
         "latency_p95_s": latencies[int(0.95 * (len(latencies) - 1))],
         "client_cpu_per_wall_s": [round(o["cpu_s"] / wall_s, 3) for o in outcomes],
+        # A process answers its share of a wave's requests one by one: at a wave's turnover its last one
+        # goes out this many ms of CPU after its first (the openai client parses each response).
+        "client_ms_per_request": 1000 * sum(o["cpu_s"] for o in outcomes) / len(latencies),
     }
 
 
+# A request's time as the server's /metrics histograms split it (their _sum and _count), by part.
+LATENCY_PARTS = {
+    "vllm:request_queue_time_seconds": "queued",
+    "vllm:time_to_first_token_seconds": "first_token",
+    "vllm:e2e_request_latency_seconds": "in_engine",
+    "http_request_duration_seconds": "http_handler",
+}
+
+
 def engine_counters(url: str) -> dict[str, float] | None:
-    """The built-in engine's phase counters from /metrics (None for a server without them: vLLM)."""
+    """The built-in engine's phase counters and latency sums from /metrics (None for a server without
+    them: vLLM)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
         text = response.read().decode()
     counters = {"time": time.monotonic()}
@@ -232,6 +259,10 @@ def engine_counters(url: str) -> dict[str, float] | None:
             label = sample.labels.get("phase", sample.labels.get("run"))
             name = sample.name.removeprefix("harness:engine_")
             counters[f"{name}[{label}]" if label else name] = sample.value
+        histogram, _, part = sample.name.rpartition("_")
+        route = sample.labels.get("handler", "/v1/completions")
+        if histogram in LATENCY_PARTS and part in ("sum", "count") and route == "/v1/completions":
+            counters[f"{LATENCY_PARTS[histogram]}_{part}"] = sample.value
     return counters if len(counters) > 1 else None
 
 
@@ -256,15 +287,24 @@ def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[
             / max(delta[f"prefills_total[{run}]"], 1)
             for run in PREFILL_RUNS
         },
+        **{
+            f"ms_{part}": 1000 * delta[f"{part}_sum"] / max(delta[f"{part}_count"], 1)
+            for part in LATENCY_PARTS.values()
+            if f"{part}_sum" in delta
+        },
     }
 
 
 def measure_with_engine(url: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     """`measure`, plus (for the built-in server) `engine_breakdown` over the timed waves as "engine"."""
     readings: list[dict[str, float] | None] = []
-    row = measure(url, concurrency, args, lambda: readings.append(engine_counters(url)))
-    if readings[0] is not None and (after := engine_counters(url)) is not None:
-        row["engine"] = engine_breakdown(readings[0], after)
+
+    def read() -> None:
+        readings.append(engine_counters(url))
+
+    row = measure(url, concurrency, args, on_timed_start=read, on_timed_end=read)
+    if readings[0] is not None and readings[1] is not None:
+        row["engine"] = engine_breakdown(readings[0], readings[1])
     return row
 
 
@@ -280,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="qwen3-0.6b", help="model shape (bench_trainer.py's presets)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256])
-    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--client-processes", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128, help="mean prompt length in tokens")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--waves", type=int, default=2, help="timed waves of C requests per level")
@@ -339,17 +379,20 @@ def main(argv: list[str] | None = None) -> int:
         "client_processes": args.client_processes,
     }
     print(f"\n{meta}\n")
-    print("| server | C | tokens/s | requests/s | p50 s | p95 s | first wave s | client CPU/wall |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| server | C | tokens/s | requests/s | p50 s | p95 s | first wave s | client CPU/wall "
+        "| client ms/request |"
+    )
+    print("| --- " * 9 + "|")
     for row in results:
         if "error" in row:
-            print(f"| {row['server']} | - | did not start | | | | | |")
+            print(f"| {row['server']} | - | did not start | | | | | | |")
             continue
         print(
             f"| {row['server']} | {row['concurrency']} | {row['tokens_per_s']:.0f} "
             f"| {row['requests_per_s']:.1f} | {row['latency_p50_s']:.2f} | {row['latency_p95_s']:.2f} "
             f"| {row['first_wave_s']:.1f} "
-            f"| {max(row['client_cpu_per_wall_s']):.2f} |"
+            f"| {max(row['client_cpu_per_wall_s']):.2f} | {row['client_ms_per_request']:.1f} |"
         )
     engine_rows = [row for row in results if "engine" in row]
     if engine_rows:
@@ -370,6 +413,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {e['decode_share']:.0%} | {e['idle_share']:.0%} | {e['prefills_per_s']:.1f} "
                 f"| {e['requests_per_prefill']:.1f} | {e['ms_per_prefill']:.1f} | {runs} "
                 f"| {e['decode_steps_per_s']:.0f} | {e['ms_per_decode_step']:.2f} |"
+            )
+    latency_rows = [row for row in engine_rows if "ms_in_engine" in row["engine"]]
+    if latency_rows:
+        print(
+            "\nA request's mean time over the timed waves, from its submission to the engine (the server's "
+            "latency histograms), against the clients' mean latency:\n"
+        )
+        print("| server | C | queued ms | first token ms | in engine ms | HTTP handler ms | client ms |")
+        print("| --- " * 7 + "|")
+        for row in latency_rows:
+            e = row["engine"]
+            print(
+                f"| {row['server']} | {row['concurrency']} | {e['ms_queued']:.1f} "
+                f"| {e['ms_first_token']:.1f} | {e['ms_in_engine']:.1f} "
+                f"| {e.get('ms_http_handler', float('nan')):.1f} "
+                f"| {1000 * row['latency_mean_s']:.1f} |"
             )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
