@@ -10,7 +10,7 @@ have no cache yet (new, or preempted) in one left-padded batch, then decode one 
 row in one batch. Requests join and leave between steps: that is the continuous batching. A finished row
 is refilled by the last row, so running requests always occupy rows 0..n-1 (see `kv_cache.py`). On a CUDA
 device both forwards are replayed from CUDA graphs where they can be (`cuda_graphs.py`; `enforce_eager`
-turns that off): a decode step always, a prefill when it is small.
+turns that off): a decode step always, a prefill in graph-sized chunks unless a prompt is too long for one.
 
 Why not transformers' own ContinuousBatchingManager (`generate_batch`, paged attention): in 5.17 and 5.24 it
 samples with one global RNG and one `do_sample` switch for the whole batch, so a request's tokens depend on
