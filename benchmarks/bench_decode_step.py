@@ -13,7 +13,12 @@ the GPU side of bench_engine.py's `decode` part, which no host-side change can s
 
 One H100 run (random Qwen3-0.6B, bf16, 200 keys per row): 64 rows 6.05 ms per step (1,818 kernels, 5.61 ms
 summed), with `--compile-blocks` 4.19 ms (999 kernels, 3.89 ms); 256 rows 9.07 against 6.74 ms. Of the
-compiled 64-row step, the matmuls took 1.17 ms and attention (cuDNN) 1.07.
+compiled 64-row step, the matmuls took 1.17 ms and attention (cuDNN) 1.07. A later H100 call ran this with
+`--compile-blocks` on the tree before and after the attention function made its additive mask once per
+forward and wrote decode keys without gathers: 64 rows 4.23 -> 3.79 ms per step (999 -> 834 kernels),
+256 rows 7.14 -> 6.68 ms (971 -> 806); the write alone (mask still converted per layer) gave 3.95 / 6.84
+ms (918 / 890 kernels). cuDNN's attention was then 1.06 of the 3.53 ms summed at 64 rows, 3.60 of 6.50 at
+256.
 """
 
 from __future__ import annotations

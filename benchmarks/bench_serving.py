@@ -263,7 +263,7 @@ def engine_counters(url: str) -> dict[str, float] | None:
         route = sample.labels.get("handler", "/v1/completions")
         if histogram in LATENCY_PARTS and part in ("sum", "count") and route == "/v1/completions":
             counters[f"{LATENCY_PARTS[histogram]}_{part}"] = sample.value
-    return counters if len(counters) > 1 else None
+    return counters if "steps_total[decode]" in counters else None
 
 
 def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
