@@ -225,6 +225,7 @@ def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(mo
             assert graphs.prefill(rows, prompts, [0] * 5).equal(logits)
         assert graphs.last_run == "captured" and graphs.num_captures == 3
         assert graphs.prefill(rows, prompts, [0] * 5).equal(logits) and graphs.last_run == "replayed"
+        assert graphs.prefill([5], [list(range(65))], [0]) is None  # more new tokens than a graph holds
         reference = build_tiny_qwen3()
         for prompt, row, row_logits in zip(prompts, rows, logits, strict=True):
             output = reference(torch.tensor([prompt]), use_cache=True)

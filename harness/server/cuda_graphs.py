@@ -97,7 +97,7 @@ class PrefillChunk(NamedTuple):
 
 
 class StepGraphs:
-    """Decode steps and small prefills replayed from graphs captured per shape bucket (module docstring).
+    """Decode steps and prefills replayed from graphs captured per shape bucket (module docstring).
 
     Args:
         model: The served model (its attention implementation already the engine's).
@@ -189,7 +189,7 @@ class StepGraphs:
         num_batch = len(rows)
         lengths = [len(tokens) - start for tokens, start in zip(token_lists, starts, strict=True)]
         self._drop_stale()
-        if max(lengths) > min(self.cache.max_length, MAX_PREFILL_GRAPH_TOKENS):
+        if token_bucket(max(lengths), self.cache.max_length, MIN_PREFILL_TOKENS) > MAX_PREFILL_GRAPH_TOKENS:
             return None
         chunks = self._chunks(lengths, [len(tokens) for tokens in token_lists])
         if chunks is None:
