@@ -235,6 +235,20 @@ def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(mo
             torch.testing.assert_close(keys[row], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_prompt_whose_bucket_is_over_the_graph_limit_is_left_to_the_eager_prefill(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MAX_PREFILL_GRAPH_TOKENS", 100)  # not a bucket size
+    model = build_tiny_qwen3()
+    engine = make_engine(model, graphs="none")
+    graphs = RecordingGraphs(model, engine.cache)
+    engine.cache.reserve(4, 128)
+    with torch.inference_mode():
+        assert graphs.prefill([0], [list(range(97))], [0]) is None  # 97 tokens pad to 128
+        assert (
+            graphs.prefill([0, 1], [list(range(96)), [5] * 40], [0, 0]) is not None
+        )  # 96 and 48: two graphs
+    assert graphs.num_forwards["prefill"] == 2
+
+
 def test_chunked_prefills_generate_as_the_eager_engine_does(monkeypatch):
     # The engine's own prefills, with prefixes from the prefix cache and a group's twins, split into graphs
     # of at most 32 new tokens: greedy outputs equal a direct forward's.
