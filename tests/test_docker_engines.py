@@ -319,7 +319,11 @@ def stop_engine(engine_dir: str) -> list[str]:
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1]
+        except OSError:  # it ended (and was reaped) between the two reads: ESRCH or ENOENT
+            break
+        if state.startswith("Z"):
             break
         time.sleep(0.1)
     assert time.monotonic() < deadline, "dockerd did not stop within 60 s"
