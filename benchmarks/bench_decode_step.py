@@ -30,14 +30,24 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_engine import build_model, run_wave
 
+from harness.server import kv_cache
 from harness.server.cuda_graphs import StepGraphs
 from harness.server.engine import Engine
+
+ATTENTION_BACKENDS = {
+    "server": None,  # not set: the server's own choice (kv_cache.DECODE_SDPA_BACKENDS)
+    "pytorch": None,
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
 
 
 def synchronize(device: torch.device) -> None:
@@ -46,9 +56,13 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure(engine: Engine, rows: int, length: int, iters: int) -> None:
+def measure(engine: Engine, rows: int, length: int, iters: int, fresh_graphs: bool = False) -> None:
+    """Time `rows` rows' decode step replayed (from the engine's graphs, or from graphs captured afresh
+    with the attention backends now set), then profile its eager run's kernels."""
     device = engine.cache.device
     replayed = engine.graphs or StepGraphs(engine.model, engine.cache, capture=False)
+    if fresh_graphs and engine.graphs is not None:
+        replayed = StepGraphs(engine.model, engine.cache)
     eager = StepGraphs(engine.model, engine.cache, capture=False)
     rng = random.Random(rows)
     token_ids, lengths = [rng.randint(10, 30_000) for _ in range(rows)], [length] * rows
@@ -83,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=200, help="keys each row attends to (<= 256)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
+    parser.add_argument(
+        "--decode-attention",
+        nargs="+",
+        choices=sorted(ATTENTION_BACKENDS),
+        default=["server"],
+        help="SDPA backends of the decode step's attention, each measured in turn: server (the server's "
+        "choice), pytorch (PyTorch's), or one backend",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.length <= 256:
         parser.error("--length must be in [1, 256]: the warm-up wave sizes the cache to 256 positions")
@@ -101,8 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         engine.pause().result()
         blocks = "compiled" if args.compile_blocks else "eager"
         print(f"{args.preset} on {args.device}, norms and MLPs {blocks}, {args.length} keys per row")
-        for rows in args.rows:
-            measure(engine, rows, args.length, args.iters)
+        server_choice = kv_cache.DECODE_SDPA_BACKENDS
+        for choice in args.decode_attention:
+            chosen = server_choice if choice == "server" else ATTENTION_BACKENDS[choice]
+            kv_cache.DECODE_SDPA_BACKENDS = chosen
+            print(f"decode attention: {choice} ({kv_cache.DECODE_SDPA_BACKENDS or 'any backend'})")
+            for rows in args.rows:
+                measure(engine, rows, args.length, args.iters, fresh_graphs=choice != "server")
     finally:
         engine.close()
     return 0

@@ -177,6 +177,7 @@ class RecordingGraphs(StepGraphs):
         return type("Replay", (), {"replay": staticmethod(forward)})()
 
 
+@torch.inference_mode()  # as the engine's thread runs every forward
 def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs():
     model = build_tiny_qwen3()
     engine = make_engine(model, graphs="none")

@@ -238,8 +238,8 @@ def test_row_copies_keep_each_layers_keys_and_values_in_place():
         dtype=torch.float32,
         device=torch.device("cpu"),
         max_rows=4,
-        max_length=16,
-        capacity_tokens=1024,
+        max_length=32,
+        capacity_tokens=80,  # 4 rows and the scratch row of 16 positions
     )
     cache.reserve(3, 16)
     filled = torch.arange(2 * 3 * 3 * 2 * 16 * 4, dtype=torch.float32).reshape(2, 3, 3, 2, 16, 4)
@@ -259,3 +259,12 @@ def test_row_copies_keep_each_layers_keys_and_values_in_place():
             assert torch.equal(got[0, :, 5:], filled[kind, layer, 0, :, 5:])  # past the copy: untouched
             assert torch.equal(got[2, :, :7], filled[kind, layer, 0, :, :7])
             assert not got[2, :, 7:].any()
+    before = [tuple(t.clone() for t in cache.rows(layer, 2, 16)) for layer in range(3)]
+    assert cache.allocated_length == 16
+    cache.reserve(2, 32)  # the storage grows: every layer's keys and values stay where they were
+    assert cache.allocated_length == 32
+    for layer in range(3):
+        keys, values = cache.rows(layer, 2, 32)
+        assert torch.equal(keys[:, :, :16], before[layer][0])
+        assert torch.equal(values[:, :, :16], before[layer][1])
+        assert not keys[:, :, 16:].any() and not values[:, :, 16:].any()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -147,6 +148,9 @@ class RowKVCache:
         self.max_rows = max_rows
         self.max_length = max_length
         self.capacity_tokens = capacity_tokens
+        # Keys and values of every layer in one tensor, [2 (keys, values), layers, rows + 1, kv_heads, length,
+        # head_dim], so copying a row is one kernel; `_keys[layer]` and `_values[layer]` are views of it.
+        self._store: torch.Tensor | None = None
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self.allocated_rows = 0
@@ -161,7 +165,7 @@ class RowKVCache:
     @property
     def allocated_tokens(self) -> int:
         """Positions allocated, the scratch row's included."""
-        return (self.allocated_rows + 1) * self.allocated_length if self._keys else 0
+        return (self.allocated_rows + 1) * self.allocated_length if self._store is not None else 0
 
     @property
     def allocated_bytes(self) -> int:
@@ -180,7 +184,8 @@ class RowKVCache:
 
         A dimension that must grow is doubled (so a long run reallocates O(log) times), within the row and
         length limits and within `capacity_tokens` (the scratch row counted); the slack of the other
-        dimension is dropped when keeping it would exceed the budget.
+        dimension is dropped when keeping it would exceed the budget. While it grows, the old storage and
+        the new one are both held (the default budget, half the device's free memory, leaves room for that).
         """
         if num_rows > self.max_rows or length > self.max_length:
             raise ValueError(f"cache asked for {num_rows} rows x {length} positions, over its limits")
@@ -199,20 +204,18 @@ class RowKVCache:
             )
             new_length = max(new_length, doubled)
         # One row more than asked: the scratch row (`scratch_row`), where padding tokens write.
-        shape = (new_rows + 1, self.num_kv_heads, new_length, self.head_dim)
+        shape = (2, self.num_layers, new_rows + 1, self.num_kv_heads, new_length, self.head_dim)
         kept_rows, kept_length = min(self.allocated_rows, new_rows), min(self.allocated_length, new_length)
-        for store in (self._keys, self._values):
-            if store:
-                for layer in range(self.num_layers):
-                    grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                    grown[:kept_rows, :, :kept_length] = store[layer][:kept_rows, :, :kept_length]
-                    store[layer] = grown
-            else:
-                # zeros, not empty: masked-out positions still enter the value product with weight 0, and
-                # 0 x NaN from uninitialised memory would poison the output.
-                store.extend(
-                    torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-                )
+        # zeros, not empty: masked-out positions still enter the value product with weight 0, and 0 x NaN
+        # from uninitialised memory would poison the output.
+        grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self._store is not None:
+            grown[:, :, :kept_rows, :, :kept_length] = self._store[:, :, :kept_rows, :, :kept_length]
+        self._store = grown
+        # Views by indexing, not `unbind`: a view that came out of a multi-view function may not be written
+        # in place where autograd is on (a forward outside inference mode, as in tests).
+        self._keys = [grown[0, layer] for layer in range(self.num_layers)]
+        self._values = [grown[1, layer] for layer in range(self.num_layers)]
         self.allocated_rows, self.allocated_length = new_rows, new_length
         self.version += 1
 
@@ -222,33 +225,30 @@ class RowKVCache:
         graphs' fixed shapes) write their keys here, where nothing reads them as a request's."""
         return self.allocated_rows
 
-    # A row spans 2 x layers tensors: the three row copies below go through one `_foreach_copy_` (one call
-    # from Python, one allocation for a stored copy) rather than a copy per tensor, which on a GPU cost ~30 us
-    # each (the 56 of a 28-layer model: 1.7 ms for every request that finished).
+    # Every layer's keys and values sit in one tensor (`_store`): each row copy below is one kernel. Copying
+    # per layer cost ~30 us a tensor on a GPU (the 56 of a 28-layer model: 1.7 ms for every request that
+    # finished); one `_foreach_copy_` over the 56 views still spent most of a millisecond making the views,
+    # which over HTTP at 256 requests in flight, where a few requests finish at every step, was a quarter of
+    # the engine thread's busy time on an H100 (py-spy, `bench_serving.py --py-spy`).
 
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy the first `length` positions of row `source` into row `target` (compaction)."""
-        torch._foreach_copy_(self._row_views(target, length), self._row_views(source, length))
+        store = self._require_store()
+        store[:, :, target, :, :length] = store[:, :, source, :, :length]
 
     def copy_row(self, row: int, length: int) -> torch.Tensor:
         """A copy of the first `length` positions of `row`: [2 (keys, values), layers, kv_heads, length,
         head_dim]."""
-        copy = torch.empty(
-            (2, self.num_layers, self.num_kv_heads, length, self.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        torch._foreach_copy_(list(copy.flatten(0, 1).unbind()), self._row_views(row, length))
-        return copy
+        return self._require_store()[:, :, row, :, :length].clone()
 
     def load_row(self, row: int, keys_and_values: torch.Tensor, length: int) -> None:
         """Write the first `length` positions of keys and values shaped as `copy_row` returns into `row`."""
-        sources = list(keys_and_values[..., :length, :].flatten(0, 1).unbind())
-        torch._foreach_copy_(self._row_views(row, length), sources)
+        self._require_store()[:, :, row, :, :length] = keys_and_values[..., :length, :]
 
-    def _row_views(self, row: int, length: int) -> list[torch.Tensor]:
-        """Every layer's keys, then every layer's values, of `row`'s first `length` positions."""
-        return [store[row, :, :length] for store in (*self._keys, *self._values)]
+    def _require_store(self) -> torch.Tensor:
+        if self._store is None:
+            raise RuntimeError("the cache holds no rows: reserve() first")
+        return self._store
 
     def gather(self, layer: int, rows_B: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the rows `rows_B`, positions 0..length-1: [B, kv_heads, length, head_dim]."""
@@ -256,7 +256,7 @@ class RowKVCache:
 
     def release(self) -> None:
         """Free the storage (the next `reserve` allocates afresh)."""
-        self._keys, self._values = [], []
+        self._store, self._keys, self._values = None, [], []
         self.allocated_rows = self.allocated_length = 0
         self.version += 1
 
@@ -273,6 +273,25 @@ class RowKVCache:
     def rows(self, layer: int, num_rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of rows 0..num_rows-1, positions 0..length-1: [num_rows, kv_heads, length, head_dim]."""
         return self._keys[layer][:num_rows, :, :length], self._values[layer][:num_rows, :, :length]
+
+
+# Prefill attention on a GPU, in order of preference: not cuDNN's, which PyTorch would pick first on a Hopper
+# GPU and which builds an execution plan for every new shape on the host. Prefill shapes vary with the
+# requests admitted together, and a shape runs eagerly until it recurs (`cuda_graphs.py`): over HTTP at 64
+# requests in flight on an H100, such eager prefills took 233 ms each against 49 ms replayed, a sixth of the
+# engine thread's busy time spent inside this call (py-spy, `bench_serving.py --py-spy`). Decode steps keep
+# PyTorch's choice: their shapes are few, each built once, when its graph is captured.
+PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+# Decode attention on a GPU: None leaves the choice to PyTorch; a list restricts it (benchmarks/
+# bench_decode_step.py --decode-attention compares them). Read when a decode step runs or is captured.
+DECODE_SDPA_BACKENDS: list[SDPBackend] | None = None
+
+
+def _sdpa_backends(
+    backends: list[SDPBackend] | None, query: torch.Tensor
+) -> contextlib.AbstractContextManager:
+    """`sdpa_kernel(backends)` for a query on a GPU, else nothing (the CPU keeps PyTorch's choice)."""
+    return sdpa_kernel(backends) if backends and query.is_cuda else contextlib.nullcontext()
 
 
 def row_cache_attention(
@@ -309,16 +328,18 @@ def row_cache_attention(
             key = key.reshape(num_batch, num_heads, num_keys, head_dim)
             value = value[:, :, None].expand(num_batch, num_kv_heads, group, num_keys, head_dim)
             value = value.reshape(num_batch, num_heads, num_keys, head_dim)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.attn_bias, scale=scaling)
+        with _sdpa_backends(PREFILL_SDPA_BACKENDS, query):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=batch.attn_bias, scale=scaling)
         return out.transpose(1, 2), None
     # Decode: one query per row. The query heads that share a key head become that head's "query positions",
     # so attention runs on the kv heads without materialising repeated keys.
     num_rows, _, _, head_dim = query.shape
     keys, values = cache.rows(layer, num_rows, batch.kv_length)
     grouped_query = query.reshape(num_rows, num_kv_heads, group, head_dim)
-    out = F.scaled_dot_product_attention(
-        grouped_query, keys, values, attn_mask=batch.attn_bias, scale=scaling
-    )
+    with _sdpa_backends(DECODE_SDPA_BACKENDS, query):
+        out = F.scaled_dot_product_attention(
+            grouped_query, keys, values, attn_mask=batch.attn_bias, scale=scaling
+        )
     return out.reshape(num_rows, num_heads, 1, head_dim).transpose(1, 2), None
 
 
