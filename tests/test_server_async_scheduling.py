@@ -133,6 +133,40 @@ def test_requests_arriving_while_steps_run_ahead_are_admitted_between_them():
         assert_greedy_matches(output)
 
 
+def test_requests_arriving_while_a_step_is_in_flight_are_prefilled_behind_it():
+    # A long request decodes ahead; four arrive: a seeded one, two twins (one prompt, two seeds)
+    # and one whose prompt continues the running request's (a prefix hit on its row). They are prefilled
+    # behind the step in flight, and the next step takes its tokens from both, still on the device; every
+    # output equals what the same request gives when served alone, step by step.
+    long_prompt = PROMPTS[2]
+    prompts = [long_prompt, list(range(30, 70)), [9, 9, 2, 4], [9, 9, 2, 4], [*long_prompt, 3, 1, 4]]
+    params = [
+        SamplingParams(max_tokens=100, temperature=0.0, num_logprobs=3),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=21, num_logprobs=1),
+        SamplingParams(max_tokens=1, temperature=1.0, seed=22, num_logprobs=0),  # ends at its first token
+        SamplingParams(max_tokens=15, temperature=1.0, seed=23, num_logprobs=0),
+        SamplingParams(max_tokens=25, temperature=0.0, num_logprobs=2),
+    ]
+    alone = [generate(make_engine(ahead=False), [p], [q])[0] for p, q in zip(prompts, params, strict=True)]
+    engine = make_engine(ahead=True)
+    outputs = Outputs(len(prompts))
+    engine.start()
+    try:
+        engine.submit(prompts[0], params[0], outputs, request_id="0")
+        while engine.num_steps_ahead < 3:
+            time.sleep(0.002)
+        for i in range(1, len(prompts)):  # (a pause would read the step in flight: they come as they come)
+            engine.submit(prompts[i], params[i], outputs, request_id=str(i))
+        assert outputs.done.wait(60)
+    finally:
+        engine.close()
+    stats = engine.stats()
+    assert stats.num_prefills_ahead >= 1
+    assert stats.num_prefix_cache_hits >= len(long_prompt) // 16 * 16
+    assert_same(alone, [outputs[str(i)] for i in range(len(prompts))])
+    assert_greedy_matches(outputs["4"])
+
+
 def test_aborts_and_commands_wait_for_the_step_in_flight():
     engine = make_engine(ahead=True)
     params = SamplingParams(max_tokens=100, temperature=0.0, num_logprobs=0)

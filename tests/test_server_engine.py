@@ -174,6 +174,7 @@ def test_phase_counters_count_the_forwards_and_split_the_thread_time():
         ("harness:engine_steps_total", "prefill"): 1,
         ("harness:engine_steps_total", "decode"): 8,
         ("harness:engine_prefill_requests_total", None): 4,
+        ("harness:engine_prefills_ahead_total", None): 0,  # no async scheduling here
     }
 
 

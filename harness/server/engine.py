@@ -35,10 +35,12 @@ launches the following decode step at once, its input tokens taken from the samp
 device, and only then reads the earlier step's tokens and ends the requests that are done. So the host's
 work on one step's results (appending tokens, stop checks, answering finished requests) runs while the
 device computes the next step, instead of the device idling through it. A request that ends is found one
-step late: its row is decoded once more and that token dropped. Whatever changes the rows, the cache's
-storage or what a row's next logits depend on first reads the step in flight, then runs as before:
-admitting requests (so a prefill), preemption, a cache that must grow, commands (weight updates, pauses),
-aborts, and requests with a repetition penalty (which reads their tokens on the host).
+step late: its row is decoded once more and that token dropped. Requests admitted while a step is in
+flight are prefilled behind it, and the next decode step of every row is launched at once, the new rows'
+first tokens taken from the prefill's sampled tensor (`_prefill_ahead`). Whatever else changes the rows,
+the cache's storage or what a row's next logits depend on first reads the step in flight, then runs as
+before: preemption, a cache that must grow, commands (weight updates, pauses), aborts, adapters, and
+requests with a repetition penalty (which reads their tokens on the host).
 
 Preemption: when the rows times the longest sequence would exceed the KV budget, the newest request goes
 back to the front of the queue and is recomputed (prompt and output so far) when readmitted. A weight
@@ -159,9 +161,10 @@ class EngineStats:
     idle_s: float = 0.0
     num_prefill_requests: int = 0  # requests in the prefills, a group's twins counted once
     num_decode_steps: int = 0
+    num_prefills_ahead: int = 0  # prefills launched behind a decode step in flight (async scheduling)
     # Prefills by how their forward ran (`PREFILL_RUNS`): "replayed" from a CUDA graph, "captured" into one
     # (then replayed), "eager" (CPU, LoRA, a shape not captured yet or too large for a graph): count and
-    # seconds of each.
+    # seconds of each (for a prefill launched ahead, `num_prefills_ahead`, the seconds of its launch).
     prefills_by_run: dict[str, int] = field(default_factory=dict)
     prefill_s_by_run: dict[str, float] = field(default_factory=dict)
     # Each request that ended with "stop" or "length", from its submission to the engine: until it was
@@ -590,6 +593,7 @@ class Engine:
             idle_s=counters.idle_s,
             num_prefill_requests=counters.num_prefill_requests,
             num_decode_steps=counters.num_decode_steps,
+            num_prefills_ahead=counters.num_prefills_ahead,
             prefills_by_run=dict(counters.prefills_by_run),
             prefill_s_by_run=dict(counters.prefill_s_by_run),
             queue_time=self._queue_time.snapshot(),
@@ -604,13 +608,29 @@ class Engine:
             if self._can_decode_ahead():
                 self._decode_ahead()
                 return
-            self._drain()
+            if not self._may_prefill_ahead():
+                self._drain()
         self._admit()
+        if self._in_flight is not None:
+            if self._prefill_ahead():
+                return
+            self._drain()
         self._fit_budget()
+        chosen, twins = self._choose_prefills()
+        if chosen:
+            started = time.perf_counter()
+            run = self._prefill(chosen, twins)
+            self._count_prefill(run, len(chosen), time.perf_counter() - started)
+        if any(r.num_cached == len(r.tokens) - 1 for r in self._running):
+            self._decode()
+
+    def _choose_prefills(self) -> tuple[list[tuple[int, PrefixHit]], list[tuple[int, int]]]:
+        """The rows to prefill in this step, each with its prefix hit, within the token budget; and the
+        twins: (row, index in the chosen of the request with the same tokens), which share its prefill."""
         to_prefill = [row for row, r in enumerate(self._running) if r.num_cached == 0]
         budget = self.max_num_batched_tokens
         chosen: list[tuple[int, PrefixHit]] = []
-        twins: list[tuple[int, int]] = []  # (row, index in chosen of the request with the same tokens)
+        twins: list[tuple[int, int]] = []
         same_tokens: dict[tuple[int, tuple[int, ...]], int] = {}
         first_blocks: set[int] = set()
         for row in to_prefill:
@@ -639,17 +659,17 @@ class Engine:
                 break
             chosen.append((row, hit))
             budget -= size
-        if chosen:
-            started = time.perf_counter()
-            run = self._prefill(chosen, twins)
-            elapsed = time.perf_counter() - started
+        return chosen, twins
+
+    def _count_prefill(self, run: str, num_requests: int, elapsed: float, *, ahead: bool = False) -> None:
+        counters = self._counters
+        counters.num_prefill_requests += num_requests
+        counters.prefills_by_run[run] = counters.prefills_by_run.get(run, 0) + 1
+        counters.prefill_s_by_run[run] = counters.prefill_s_by_run.get(run, 0.0) + elapsed
+        if ahead:
+            counters.num_prefills_ahead += 1
+        else:  # a prefill launched ahead took only its launch on the host: not the pace of the delay
             self._prefill_s.append(elapsed)
-            counters = self._counters
-            counters.num_prefill_requests += len(chosen)
-            counters.prefills_by_run[run] = counters.prefills_by_run.get(run, 0) + 1
-            counters.prefill_s_by_run[run] = counters.prefill_s_by_run.get(run, 0.0) + elapsed
-        if any(r.num_cached == len(r.tokens) - 1 for r in self._running):
-            self._decode()
 
     def _admit(self) -> None:
         if self._draining is not None or self._delaying_admission():
@@ -722,6 +742,15 @@ class Engine:
         """Prefill the chosen rows (each after its prefix hit, if any) in one forward; each twin (a row
         whose tokens equal those of chosen[index]) then gets that row's keys and samples from its logits.
         Returns how the forward ran: "replayed", "captured" (a CUDA graph) or "eager"."""
+        run, requests, pending = self._launch_prefill(chosen, twins)
+        self._collect(requests, pending)
+        return run
+
+    def _launch_prefill(
+        self, chosen: list[tuple[int, PrefixHit]], twins: list[tuple[int, int]]
+    ) -> tuple[str, list[_Request], PendingSample]:
+        """`_prefill` up to its sampling step, queued and not read: how the forward ran, the requests in
+        the order of the sampled rows, and the sampling step."""
         rows = [row for row, _ in chosen]
         requests = [self._running[row] for row in rows]
         starts = [hit.length for _, hit in chosen]
@@ -743,7 +772,7 @@ class Engine:
             entries.append((row, twin))
             starts.append(len(twin.tokens))
         if twins:
-            logits = torch.cat([logits, logits[torch.tensor([index for _, index in twins], device=device)]])
+            logits = torch.cat([logits, logits[to_device([index for _, index in twins], torch.long, device)]])
         for (_, request), start in zip(entries, starts, strict=True):
             request.num_cached = len(request.tokens)
             self._counters.num_prompt_tokens += len(request.tokens)
@@ -751,8 +780,8 @@ class Engine:
                 self._counters.num_prefix_cache_queries += len(request.tokens)
                 self._counters.num_prefix_cache_hits += start
                 self.prefix_cache.add_running(request)
-        self._sample([request for _, request in entries], logits)
-        return run
+        requests = [request for _, request in entries]
+        return run, requests, self._launch_sample(requests, logits)
 
     def _eager_prefill(
         self,
@@ -878,14 +907,68 @@ class Engine:
         ):
             position = {id(r): i for i, r in enumerate(previous.requests)}
             tokens = tokens[to_device([position[id(r)] for r in requests], torch.long, self.device)]
-        lengths = [len(r.tokens) + 1 for r in requests]
+        self._launch_decode_ahead(requests, tokens, [len(r.tokens) + 1 for r in requests])
+        self._collect(previous.requests, previous.sample)
+
+    def _launch_decode_ahead(
+        self, requests: list[_Request], tokens: torch.Tensor, lengths: list[int]
+    ) -> None:
+        """Launch the decode step of `requests` (rows 0..n-1) from input tokens on the device, unread."""
+        assert self.graphs is not None
         logits = self.graphs.decode(tokens, lengths)
         for request, length in zip(requests, lengths, strict=True):
             request.num_cached = length
         self._in_flight = _StepInFlight(requests, self._launch_sample(requests, logits))
         self.num_steps_ahead += 1
         self._counters.num_decode_steps += 1
+
+    def _may_prefill_ahead(self) -> bool:
+        """Whether waiting requests may be admitted while the step in flight runs (`_prefill_ahead` then
+        checks the rest), rather than after reading it."""
+        return (
+            self.async_scheduling
+            and self._draining is None
+            and not self._paused
+            and self.graphs is not None
+            and self.graphs.enabled
+            and bool(self._waiting)
+        )
+
+    def _prefill_ahead(self) -> bool:
+        """Prefill the requests just admitted behind the decode step in flight, then launch the next decode
+        step of every row (the running rows' tokens from the step in flight, the new rows' first tokens
+        from the prefill's sampling, both still on the device), and only then read the two. So an admission
+        no longer idles the device while the host reads the step in flight and prepares the prefill, and
+        then again while it reads the prefill's tokens. Returns False, having changed nothing, where that
+        does not hold: the rows' cache must grow, a request needs the host between steps (an adapter, a
+        repetition penalty), or not every new row fits this step's prefill; the caller then reads the step
+        in flight and goes on as before. A prefix hit on a running row copies keys the step in flight does
+        not touch (it writes past the tokens the host has read), after it on the device's stream."""
+        previous = self._in_flight
+        assert previous is not None and self.graphs is not None
+        requests = list(self._running)
+        new_rows = [row for row, r in enumerate(requests) if r.num_cached == 0]
+        if not new_rows or any(r.adapter is not None for r in requests) or not self._may_go_ahead(requests):
+            return False
+        lengths = [len(r.tokens) + 1 for r in requests]  # with the token in flight, or the prefill's first
+        longest = max(lengths)
+        if len(requests) > self.cache.rows_fitting(longest) or not self.cache.holds(len(requests), longest):
+            return False
+        chosen, twins = self._choose_prefills()
+        if sorted([row for row, _ in chosen] + [row for row, _ in twins]) != new_rows:
+            return False
+        started = time.perf_counter()
+        run, prefilled, pending = self._launch_prefill(chosen, twins)
+        self._count_prefill(run, len(chosen), time.perf_counter() - started, ahead=True)
+        # The next step's input tokens: each row's from where it sat in the step in flight or the prefill.
+        sources = [*previous.requests, *prefilled]
+        position = {id(r): i for i, r in enumerate(sources)}
+        tokens = torch.cat([previous.sample.token_ids_B, pending.token_ids_B])
+        tokens = tokens[to_device([position[id(r)] for r in requests], torch.long, self.device)]
+        self._launch_decode_ahead(requests, tokens, lengths)
         self._collect(previous.requests, previous.sample)
+        self._collect(prefilled, pending)
+        return True
 
     def _drain(self) -> None:
         """Read the step in flight, if any."""

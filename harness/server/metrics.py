@@ -172,6 +172,13 @@ def render_metrics(
         [({**base, "run": run}, stats.prefill_s_by_run.get(run, 0.0)) for run in PREFILL_RUNS],
     )
     metric(
+        "harness:engine_prefills_ahead_total",
+        "counter",
+        "Prefills the built-in server's engine launched behind a decode step still in flight (async "
+        "scheduling); their seconds count the launch only.",
+        [(base, stats.num_prefills_ahead)],
+    )
+    metric(
         "harness:engine_prefill_requests_total",
         "counter",
         "Requests prefilled by the built-in server's engine (a group's identical prompts counted once).",

@@ -107,8 +107,9 @@ class PrefixCache:
             if source is None or source.adapter is not adapter:
                 continue
             length = num_blocks * self.block_size
-            usable = min(source.num_cached, limit)
             held = source.tokens
+            # A running row decoded ahead counts the token in flight as cached before the host has read it.
+            usable = min(source.num_cached, len(held), limit)
             if usable < length or held[:length] != tokens[:length]:
                 continue  # stale (preempted, or moved on) or a hash collision
             while length < usable and held[length] == tokens[length]:
