@@ -30,22 +30,28 @@ one by one before its last request goes out again, so its share times the ms per
 client adds to a wave's turnover (at 64 in flight, 8 requests a process).
 For the built-in server, a second table splits its engine thread's time over the timed waves (the
 harness:engine_* counters of /metrics): prefill forwards, decode steps, idle, with how often each ran and
-how each prefill's forward ran (replayed from a CUDA graph, captured, or eager); a third splits a request's
-mean time (its latency histograms): queued, until its first token, in the engine, in the HTTP handler,
-against the clients' mean latency, so the time outside the server (the client, the network) is the last
-column less the one before.
+how each prefill's forward ran (replayed from a CUDA graph, captured, or eager) and how many were launched
+behind a decode step in flight (their ms are the launch's alone); a third splits a request's mean time
+(its latency histograms): queued, until its first token, in the engine, in the HTTP handler, against the
+clients' mean latency, so the time outside the server (the client, the network) is the last column less
+the one before. `--py-spy DIR` runs each built-in server under py-spy and writes its threads' sampled
+stacks (idle ones included) to DIR/KIND.txt, collapsed: where the engine thread's host time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import platform
 import random
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -277,6 +283,7 @@ def engine_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[
         "idle_share": delta["seconds_total[idle]"] / wall,
         "prefills_per_s": prefills / wall,
         "requests_per_prefill": delta["prefill_requests_total"] / max(prefills, 1),
+        "prefills_ahead": delta.get("prefills_ahead_total", 0.0),
         "ms_per_prefill": 1000 * delta["seconds_total[prefill]"] / max(prefills, 1),
         "decode_steps_per_s": decodes / wall,
         "ms_per_decode_step": 1000 * delta["seconds_total[decode]"] / max(decodes, 1),
@@ -308,6 +315,33 @@ def measure_with_engine(url: str, concurrency: int, args: argparse.Namespace) ->
     return row
 
 
+def py_spy_argv(output: Path) -> list[str]:
+    """The prefix that runs a server under py-spy as its child (no ptrace permission needed beyond that),
+    sampling every thread, idle or not, 250 times a second without pausing it; stacks collapsed into
+    `output`."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    options = ["--threads", "--idle", "--nonblocking", "--rate", "250", "--format", "raw"]
+    return [py_spy, "record", *options, "--output", str(output), "--"]
+
+
+def stop_py_spy(process: subprocess.Popen) -> None:
+    """Stop py-spy (the process started, its server a child in the same group) so it writes its output;
+    the server is stopped after."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            print("py-spy did not stop within 60 s of SIGINT; its output may be missing", flush=True)
+    # The server, now py-spy's orphan, as stop_process_group would stop it.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            os.killpg(process.pid, 0)
+            time.sleep(0.2)
+
+
 def build_model(preset: str, directory: str, device: str) -> None:
     from bench_trainer import build
 
@@ -330,6 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         "--scheduler-delay-factor", type=float, default=1.0, help="of the builtin-delay server"
     )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="run each built-in server under py-spy (pip install py-spy) and write its threads' sampled "
+        "Python stacks, collapsed, to DIR/KIND.txt: where the engine thread and the event loop spend the run",
+    )
     args = parser.parse_args(argv)
     try:  # the client processes need it: say so now, not after the first server has started
         import openai  # noqa: F401
@@ -345,10 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         for kind in args.servers:
             log_path = Path(scratch) / f"{kind}.log"
             start = time.time()
+            argv = server_argv(kind, model_dir, args)
+            if args.py_spy is not None and kind != "vllm":
+                args.py_spy.mkdir(parents=True, exist_ok=True)
+                argv = [*py_spy_argv(args.py_spy / f"{kind}.txt"), *argv]
             try:
-                process, url = start_vllm_process(
-                    server_argv(kind, model_dir, args), log_path, env=env, timeout_s=args.start_timeout
-                )
+                process, url = start_vllm_process(argv, log_path, env=env, timeout_s=args.start_timeout)
             except RuntimeError as exc:
                 print(f"{kind}: did not start: {exc}", flush=True)
                 results.append({"server": kind, "error": str(exc)[-2000:]})
@@ -364,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(row)
                     print(json.dumps(row), flush=True)
             finally:
+                if args.py_spy is not None and kind != "vllm":
+                    stop_py_spy(process)
                 stop_process_group(process)
                 if args.out:
                     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             "\nThe built-in engine's thread over the timed waves (harness:engine_* counters of /metrics):\n"
         )
         columns = ["server", "C", "prefill", "decode", "idle", "prefills/s", "requests/prefill", "ms/prefill"]
-        columns += ["replayed / captured / eager prefills (ms each)", "steps/s", "ms/step"]
+        columns += ["replayed / captured / eager prefills (ms each)", "of them ahead", "steps/s", "ms/step"]
         print("| " + " | ".join(columns) + " |")
         print("| --- " * len(columns) + "|")
         for row in engine_rows:
@@ -412,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {row['server']} | {row['concurrency']} | {e['prefill_share']:.0%} "
                 f"| {e['decode_share']:.0%} | {e['idle_share']:.0%} | {e['prefills_per_s']:.1f} "
                 f"| {e['requests_per_prefill']:.1f} | {e['ms_per_prefill']:.1f} | {runs} "
+                f"| {e.get('prefills_ahead', 0):.0f} "
                 f"| {e['decode_steps_per_s']:.0f} | {e['ms_per_decode_step']:.2f} |"
             )
     latency_rows = [row for row in engine_rows if "ms_in_engine" in row["engine"]]
