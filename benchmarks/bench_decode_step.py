@@ -18,7 +18,9 @@ compiled 64-row step, the matmuls took 1.17 ms and attention (cuDNN) 1.07. A lat
 forward and wrote decode keys without gathers: 64 rows 4.23 -> 3.79 ms per step (999 -> 834 kernels),
 256 rows 7.14 -> 6.68 ms (971 -> 806); the write alone (mask still converted per layer) gave 3.95 / 6.84
 ms (918 / 890 kernels). cuDNN's attention was then 1.06 of the 3.53 ms summed at 64 rows, 3.60 of 6.50 at
-256.
+256. `--decode-attention server efficient` (graphs captured afresh for each choice) on a later H100: PyTorch's
+choice (cuDNN) 3.75 / 6.68 ms at 64 / 256 rows, the memory-efficient backend alone 3.77 / 7.03, so the
+server keeps PyTorch's choice for decode steps.
 """
 
 from __future__ import annotations
