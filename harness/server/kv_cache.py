@@ -278,9 +278,11 @@ class RowKVCache:
 # Prefill attention on a GPU, in order of preference: not cuDNN's, which PyTorch would pick first on a Hopper
 # GPU and which builds an execution plan for every new shape on the host. Prefill shapes vary with the
 # requests admitted together, and a shape runs eagerly until it recurs (`cuda_graphs.py`): over HTTP at 64
-# requests in flight on an H100, such eager prefills took 233 ms each against 49 ms replayed, a sixth of the
-# engine thread's busy time spent inside this call (py-spy, `bench_serving.py --py-spy`). Decode steps keep
-# PyTorch's choice: their shapes are few, each built once, when its graph is captured.
+# requests in flight on an H100, such eager prefills took 233 ms each against 49 ms replayed, and more than
+# half of their host time was inside this call (py-spy, `bench_serving.py --py-spy`). That cuDNN's planning
+# was the cause is not shown: with this list, eager prefills still took 126-209 ms in the next run on an
+# H100 (the figures in README's "Generation servers" were measured with it). Decode steps keep PyTorch's
+# choice: their shapes are few, each built once, when its graph is captured.
 PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 # Decode attention on a GPU: None leaves the choice to PyTorch; a list restricts it (benchmarks/
 # bench_decode_step.py --decode-attention compares them). Read when a decode step runs or is captured.
