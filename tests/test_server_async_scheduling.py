@@ -3,8 +3,8 @@
 On CPU the graphs' padded forwards run eagerly (`StepGraphs(capture=False)`), so the steps do not overlap in
 time, but the engine takes the same path as on a GPU: the next step's tokens come from the sampled tensor
 of the step before it (reordered on the device when rows finished), a request that ends is read one step
-late and its token from the step ahead is dropped, and anything that changes the rows (admissions, aborts,
-commands, a cache that must grow) first reads the step in flight. Each test compares with the same engine
+late and its token from the step ahead is dropped, requests admitted meanwhile are prefilled behind the step
+in flight, and whatever else changes the rows (aborts, commands, a cache that must grow) first reads it. Each test compares with the same engine
 scheduling step by step, and greedy outputs with a direct forward of the model.
 """
 
@@ -105,8 +105,8 @@ def test_a_stop_token_ends_a_request_read_a_step_late():
 
 
 def test_requests_arriving_while_steps_run_ahead_are_admitted_between_them():
-    # A long request decodes ahead; two arrive (the step in flight is read, they are prefilled, decoding
-    # goes ahead again with three rows), then one more after the first two have ended.
+    # A long request decodes ahead; two arrive (they are prefilled behind the step in flight, and decoding
+    # goes on ahead with three rows), then one more after the first two have ended.
     engine = make_engine(ahead=True, max_num_seqs=4)
     params = SamplingParams(max_tokens=60, temperature=0.0, num_logprobs=0)
     short = SamplingParams(max_tokens=10, temperature=0.0, num_logprobs=0)
