@@ -877,9 +877,10 @@ class Engine:
     def _can_decode_ahead(self) -> bool:
         """Whether the step in flight can be followed at once by the next decode step of the same rows.
 
-        Anything that changes the rows, the cache's storage or what a request needs from the host first
-        waits for the step in flight: admissions, preemption, a cache that must grow, commands and aborts
-        (those two drain on their own).
+        Not when requests wait to be admitted (they may be prefilled behind the step in flight instead:
+        `_prefill_ahead`), nor when anything else changes the rows, the cache's storage or what a request
+        needs from the host: preemption, a cache that must grow, commands and aborts (those two drain on
+        their own).
         """
         assert self._in_flight is not None
         if self._draining is not None or self._paused or self.graphs is None or not self.graphs.enabled:
