@@ -4,8 +4,9 @@ On CPU the graphs' padded forwards run eagerly (`StepGraphs(capture=False)`), so
 time, but the engine takes the same path as on a GPU: the next step's tokens come from the sampled tensor
 of the step before it (reordered on the device when rows finished), a request that ends is read one step
 late and its token from the step ahead is dropped, requests admitted meanwhile are prefilled behind the step
-in flight, and whatever else changes the rows (aborts, commands, a cache that must grow) first reads it. Each test compares with the same engine
-scheduling step by step, and greedy outputs with a direct forward of the model.
+in flight, and whatever else changes the rows (aborts, commands, a cache that must grow) first reads it.
+Each test compares with the same engine scheduling step by step, and greedy outputs with a direct forward
+of the model.
 """
 
 from __future__ import annotations
