@@ -14,7 +14,9 @@ from CUDA graphs, each step launched before the previous is read, new requests a
 script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill),
 `builtin-nodelay` with a factor of 0 (the default since the session of 2026-12-06, so the same as
 `builtin` there; before, `builtin` had a factor of 1 on a GPU), `builtin-api` with
---api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's), `vllm` is
+--api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's),
+`builtin-switch` with `--switch-interval-ms` (this script's flag, default 0.5: the GIL's switch interval in
+the server's process, Python's default being 5 ms), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -84,6 +86,7 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],
         "builtin-nodelay": ["--scheduler-delay-factor", "0"],
         "builtin-api": ["--api-server-count", "1"],
+        "builtin-switch": ["--switch-interval-ms", str(args.switch_interval_ms)],
     }
     if kind in builtin_flags:
         argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]
@@ -364,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scheduler-delay-factor", type=float, default=1.0, help="of the builtin-delay server"
     )
+    parser.add_argument("--switch-interval-ms", type=float, default=0.5, help="of the builtin-switch server")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument(
         "--py-spy",

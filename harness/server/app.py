@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -488,6 +489,8 @@ def serve(config: ServerConfig) -> int:
     port of 127.0.0.1 and the API servers on config.host:config.port (`api_servers.py`).
     """
     parent_pid = os.getppid()
+    if config.switch_interval_ms is not None:
+        sys.setswitchinterval(config.switch_interval_ms / 1000)
     state = ServerState.load(config)
 
     async def main() -> None:

@@ -103,6 +103,14 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         "engine's process (default: 0)",
     )
     parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="the process's GIL switch interval: how long the engine thread may wait for the GIL while the "
+        "HTTP thread runs Python (default: Python's, 5 ms)",
+    )
+    parser.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started the server dies"
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -159,6 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_lora_rank=args.max_lora_rank,
             exit_with_parent=args.exit_with_parent,
             api_server_count=args.api_server_count,
+            switch_interval_ms=args.switch_interval_ms,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

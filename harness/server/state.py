@@ -83,6 +83,10 @@ class ServerConfig:
     """HTTP front processes (vLLM's --api-server-count; `api_servers.py`) that parse requests and write
     answers beside the engine's process; 0 serves HTTP on a thread of the engine's process. On one H100
     one such process changed tokens/s by +1% / -4% at 64 / 256 requests in flight (README)."""
+    switch_interval_ms: float | None = None
+    """The server process's GIL switch interval (`sys.setswitchinterval`); None: Python's (5 ms). PyTorch
+    releases the GIL around each operator, and while the HTTP thread runs Python the engine thread waits up
+    to this long to get it back, once per operator of an eager forward (`benchmarks/bench_gil.py`)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -98,6 +102,8 @@ class ServerConfig:
             raise ValueError(f"api_server_count must be 0 or more, got {self.api_server_count}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
+        if self.switch_interval_ms is not None and not self.switch_interval_ms > 0:
+            raise ValueError(f"switch_interval_ms must be positive, got {self.switch_interval_ms}")
 
 
 def default_delay_factor(factor: float | None) -> float:
