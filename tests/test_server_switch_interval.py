@@ -39,8 +39,8 @@ class _Loaded(Exception):
     pass
 
 
-@pytest.mark.parametrize("interval_ms", [0.25, 2.0])
-def test_serve_sets_the_interval_before_the_model_loads(monkeypatch, restore_switch_interval, interval_ms):
+def interval_when_loading(monkeypatch, config: ServerConfig) -> float:
+    """The switch interval `serve(config)` has set by the time it loads the model (stopped right there)."""
     seen: list[float] = []
 
     def load(config: ServerConfig) -> None:
@@ -49,19 +49,16 @@ def test_serve_sets_the_interval_before_the_model_loads(monkeypatch, restore_swi
 
     monkeypatch.setattr(app.ServerState, "load", staticmethod(load))
     with pytest.raises(_Loaded):
-        app.serve(ServerConfig(model="m", switch_interval_ms=interval_ms))
-    assert seen == [pytest.approx(interval_ms / 1000)]
+        app.serve(config)
+    return seen[0]
+
+
+@pytest.mark.parametrize("interval_ms", [0.25, 2.0])
+def test_serve_sets_the_interval_before_the_model_loads(monkeypatch, restore_switch_interval, interval_ms):
+    config = ServerConfig(model="m", switch_interval_ms=interval_ms)
+    assert interval_when_loading(monkeypatch, config) == pytest.approx(interval_ms / 1000)
 
 
 def test_without_the_flag_serve_leaves_the_interval_alone(monkeypatch, restore_switch_interval):
     sys.setswitchinterval(0.007)
-    seen: list[float] = []
-
-    def load(config: ServerConfig) -> None:
-        seen.append(sys.getswitchinterval())
-        raise _Loaded
-
-    monkeypatch.setattr(app.ServerState, "load", staticmethod(load))
-    with pytest.raises(_Loaded):
-        app.serve(ServerConfig(model="m"))
-    assert seen == [pytest.approx(0.007)]
+    assert interval_when_loading(monkeypatch, ServerConfig(model="m")) == pytest.approx(0.007)
