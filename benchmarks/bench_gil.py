@@ -13,7 +13,10 @@ alone, then beside a thread that loops in Python, at each switch interval.
 On the dev machine of 2026-12-07 (2 cores, the tiny model, 8 tokens, one torch thread), four runs: 1.0-1.9 ms
 alone; 48-82 / 561-893 / 4,203-9,132 ms beside a busy thread at 0.5 / 5 / 50 ms, about 100-180 waits of the
 full interval per forward. How often the handoff waits depends on the machine: the dev machine of the day
-before gave 2.5 / 5.0 / 20.4 ms at the same settings.
+before gave 2.5 / 5.0 / 20.4 ms at the same settings. On one H100 (random Qwen3-0.6B, bf16, eager, 128
+tokens; the second command with `--switch-intervals-ms 0.1 0.5 5`): 19.5 ms alone; 373 / 1,454 / 15,293 ms
+beside a busy thread. Whether the server's HTTP thread is busy enough for this to matter is what
+bench_serving.py's `builtin-switch` servers measure: on that H100 a shorter interval made it slower.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ script's flag of that name, default 1: requests arriving while rows decode wait 
 `builtin` there; before, `builtin` had a factor of 1 on a GPU), `builtin-api` with
 --api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's),
 `builtin-switch` with `--switch-interval-ms` (this script's flag, default 0.5: the GIL's switch interval in
-the server's process, Python's default being 5 ms), `vllm` is
+the server's process, Python's default being 5 ms; `builtin-switch-0.1` names its own), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -88,6 +88,8 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         "builtin-api": ["--api-server-count", "1"],
         "builtin-switch": ["--switch-interval-ms", str(args.switch_interval_ms)],
     }
+    if kind.startswith("builtin-switch-"):  # builtin-switch-0.1: the interval in the name
+        builtin_flags[kind] = ["--switch-interval-ms", str(float(kind.removeprefix("builtin-switch-")))]
     if kind in builtin_flags:
         argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]
         argv += ["--device", args.device, "--max-model-len", max_model_len, "--max-num-seqs", "256"]

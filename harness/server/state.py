@@ -86,7 +86,9 @@ class ServerConfig:
     switch_interval_ms: float | None = None
     """The server process's GIL switch interval (`sys.setswitchinterval`); None: Python's (5 ms). PyTorch
     releases the GIL around each operator, and while the HTTP thread runs Python the engine thread waits up
-    to this long to get it back, once per operator of an eager forward (`benchmarks/bench_gil.py`)."""
+    to this long to get it back, once per operator of an eager forward (`benchmarks/bench_gil.py`). Shorter
+    was slower on one H100 over HTTP: 9,249 (0.5 ms) and 9,056 (0.1 ms) against 9,635 tokens/s at 64 in
+    flight, 16,884 and 16,241 against 17,939 at 256 (README, "Generation servers")."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
