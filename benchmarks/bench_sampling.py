@@ -9,7 +9,9 @@ Random bf16 logits (`--dtype float32`: a float32 model's, as the server's on a C
 all-greedy batch for comparison. Each figure is the median of
 `--iters` calls after 3 warm-up calls, with a device synchronisation after each call (the step's own
 device-to-host copy is one anyway). What it isolates: the part of a server step after the forward, which
-bench_engine.py reports as `_sample`.
+bench_engine.py reports as `_sample`. On a GPU it also prints a sampled call's GPU time alone (its kernels
+and copies summed by torch.profiler), which is what a call adds to a decode step when async scheduling
+launches it ahead of the GPU.
 
 `--search` picks the inverse-CDF search: the device's own (auto), two levels of 1,024-token blocks (a
 CPU's), or one scan over each row (a GPU's). On the dev machine's CPU (idle, `--device cpu --iters 10
@@ -56,6 +58,21 @@ def time_call(device: torch.device, logits: torch.Tensor, params: list[SamplingP
     return statistics.median(times) * 1000
 
 
+def kernel_ms(logits: torch.Tensor, params: list[SamplingParams], iters: int) -> tuple[float, int]:
+    """GPU time per call summed over its kernels and copies (torch.profiler), and how many there are: what a
+    call adds to a decode step when the host launches it ahead of the GPU, as the server's async scheduling
+    does."""
+    randoms = [RequestRandom(seed) for seed in range(len(params))]
+    seen: list[list[int]] = [[] for _ in params]
+    sample_next_tokens(logits, params, randoms, seen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(iters):
+            sample_next_tokens(logits, params, randoms, seen)
+        torch.cuda.synchronize(logits.device)
+    kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1000 / iters, len(kernels) // iters
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -92,10 +109,14 @@ def main() -> None:
                 }[search]
                 sampled_ms = time_call(device, logits, sampled, args.iters)
                 greedy_ms = time_call(device, logits, greedy, args.iters)
-                print(
+                line = (
                     f"rows {rows:4d}  logprobs {logprobs}  search {search:6s}:  "
                     f"sampled {sampled_ms:8.2f}  greedy {greedy_ms:8.2f}"
                 )
+                if device.type == "cuda":
+                    gpu_ms, count = kernel_ms(logits, sampled, args.iters)
+                    line += f"  sampled GPU time {gpu_ms:6.3f} ({count} kernels and copies)"
+                print(line)
 
 
 if __name__ == "__main__":

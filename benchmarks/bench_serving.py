@@ -16,7 +16,9 @@ script's flag of that name, default 1: requests arriving while rows decode wait 
 `builtin` there; before, `builtin` had a factor of 1 on a GPU), `builtin-api` with
 --api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's),
 `builtin-switch` with `--switch-interval-ms` (this script's flag, default 0.5: the GIL's switch interval in
-the server's process, Python's default being 5 ms; `builtin-switch-0.1` names its own), `vllm` is
+the server's process, Python's default being 5 ms; `builtin-switch-0.1` names its own), `builtin-blocks`
+and `builtin-rows` with the inverse-CDF search of their sampling forced (`sampling.searches_by_block`:
+two levels of blocks, or one scan per row, a GPU's default), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -73,6 +75,10 @@ from harness.server.engine import PREFILL_RUNS
 from harness.testing.servers import start_vllm_process, stop_process_group, tail
 
 SERVED_NAME = "bench"
+SEARCH_LAUNCHER = (  # `python -m harness.server`, the inverse-CDF search of its sampling set to blocks or not
+    "import sys; from harness.server import sampling; sampling.searches_by_block = lambda device: {blocked}; "
+    "from harness.server.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 
 
 def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str]:
@@ -90,8 +96,12 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
     }
     if kind.startswith("builtin-switch-"):  # builtin-switch-0.1: the interval in the name
         builtin_flags[kind] = ["--switch-interval-ms", str(float(kind.removeprefix("builtin-switch-")))]
+    launcher = ["-m", "harness.server"]
+    if kind in ("builtin-blocks", "builtin-rows"):  # the server with its sampling's search forced
+        builtin_flags[kind] = []
+        launcher = ["-c", SEARCH_LAUNCHER.format(blocked=kind == "builtin-blocks")]
     if kind in builtin_flags:
-        argv = [sys.executable, "-m", "harness.server", model_dir, "--served-model-name", SERVED_NAME]
+        argv = [sys.executable, *launcher, model_dir, "--served-model-name", SERVED_NAME]
         argv += ["--device", args.device, "--max-model-len", max_model_len, "--max-num-seqs", "256"]
         argv += ["--dtype", "bfloat16" if args.device.startswith("cuda") else "float32"]
         return argv + builtin_flags[kind]
