@@ -16,7 +16,7 @@ full interval per forward. How often the handoff waits depends on the machine: t
 before gave 2.5 / 5.0 / 20.4 ms at the same settings. On one H100 (random Qwen3-0.6B, bf16, eager, 128
 tokens; the second command with `--switch-intervals-ms 0.1 0.5 5`): 19.5 ms alone; 373 / 1,454 / 15,293 ms
 beside a busy thread. Whether the server's HTTP thread is busy enough for this to matter is what
-bench_serving.py's `builtin-switch` servers measure: on that H100 a shorter interval made it slower.
+bench_serving.py's `builtin-switch-MS` servers measure: on that H100 a shorter interval made it slower.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ script's flag of that name, default 1: requests arriving while rows decode wait 
 `builtin-nodelay` with a factor of 0 (the default since the session of 2026-12-06, so the same as
 `builtin` there; before, `builtin` had a factor of 1 on a GPU), `builtin-api` with
 --api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's),
-`builtin-switch` with `--switch-interval-ms` (this script's flag, default 0.5: the GIL's switch interval in
-the server's process, Python's default being 5 ms; `builtin-switch-0.1` names its own), `builtin-blocks`
+`builtin-switch-MS` with `--switch-interval-ms MS` (the GIL's switch interval in the server's process,
+Python's default being 5 ms; e.g. `builtin-switch-0.5`), `builtin-blocks`
 and `builtin-rows` with the inverse-CDF search of their sampling forced (`sampling.searches_by_block`:
 two levels of blocks, or one scan per row, a GPU's default), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
@@ -92,13 +92,13 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],
         "builtin-nodelay": ["--scheduler-delay-factor", "0"],
         "builtin-api": ["--api-server-count", "1"],
-        "builtin-switch": ["--switch-interval-ms", str(args.switch_interval_ms)],
+        "builtin-blocks": [],
+        "builtin-rows": [],
     }
     if kind.startswith("builtin-switch-"):  # builtin-switch-0.1: the interval in the name
         builtin_flags[kind] = ["--switch-interval-ms", str(float(kind.removeprefix("builtin-switch-")))]
     launcher = ["-m", "harness.server"]
     if kind in ("builtin-blocks", "builtin-rows"):  # the server with its sampling's search forced
-        builtin_flags[kind] = []
         launcher = ["-c", SEARCH_LAUNCHER.format(blocked=kind == "builtin-blocks")]
     if kind in builtin_flags:
         argv = [sys.executable, *launcher, model_dir, "--served-model-name", SERVED_NAME]
@@ -110,7 +110,7 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         argv += ["--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", max_model_len]
         argv += ["--logprobs-mode", "processed_logprobs", "--gpu-memory-utilization", "0.5"]
         return [*argv, "--max-num-seqs", "256"]
-    raise ValueError(f"unknown server {kind!r} ({', '.join(builtin_flags)}, vllm)")
+    raise ValueError(f"unknown server {kind!r} ({', '.join(builtin_flags)}, builtin-switch-MS, vllm)")
 
 
 def make_prompts(num: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -379,7 +379,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scheduler-delay-factor", type=float, default=1.0, help="of the builtin-delay server"
     )
-    parser.add_argument("--switch-interval-ms", type=float, default=0.5, help="of the builtin-switch server")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument(
         "--py-spy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from collections.abc import Iterator
@@ -21,8 +22,6 @@ def restore_switch_interval() -> Iterator[None]:
 
 
 def test_the_flag_reaches_the_config():
-    import argparse
-
     parser = argparse.ArgumentParser()
     _configure_parser(parser)
     assert parser.parse_args(["m", "--switch-interval-ms", "0.25"]).switch_interval_ms == 0.25
