@@ -1,5 +1,7 @@
 """One decode step of the built-in server on its own: the CUDA graph's time per step, and what the same
-padded step launches when run eagerly (how many kernels, their summed GPU time, the heaviest).
+padded step launches when run eagerly (how many kernels, their summed GPU time, the heaviest), and the
+graph of the same step with its sampling recorded in it (`StepGraphs.decode_and_sample`, what the server
+replays when every row samples by temperature alone).
 
     python benchmarks/bench_decode_step.py                    # a GPU: random Qwen3-0.6B shape, bf16
     python benchmarks/bench_decode_step.py --compile-blocks   # norms and MLPs compiled, as the server does
@@ -7,7 +9,7 @@ padded step launches when run eagerly (how many kernels, their summed GPU time, 
 
 The engine first serves one wave of `max(--rows)` requests (128-token prompts, 128 new tokens), which sizes
 its KV cache and captures its graphs; it is then paused, and each `--rows` count's decode step (every row at
-`--length` keys) is replayed `--iters` times between two device synchronisations. The kernels come from
+each `--length` keys) is replayed `--iters` times between two device synchronisations. The kernels come from
 torch.profiler over one eager run of the same padded step (`StepGraphs(capture=False)`). What it isolates:
 the GPU side of bench_engine.py's `decode` part, which no host-side change can shorten.
 
@@ -68,16 +70,22 @@ def measure(engine: Engine, rows: int, length: int, iters: int, fresh_graphs: bo
     eager = StepGraphs(engine.model, engine.cache, capture=False)
     rng = random.Random(rows)
     token_ids, lengths = [rng.randint(10, 30_000) for _ in range(rows)], [length] * rows
-    for _ in range(3):
-        replayed.decode(token_ids, lengths)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        replayed.decode(token_ids, lengths)
-    synchronize(device)
-    step_ms = (time.perf_counter() - start) / iters * 1000
+    temperatures, uniforms = [1.0] * rows, [rng.random() for _ in range(rows)]
+    steps = {
+        "": lambda: replayed.decode(token_ids, lengths),
+        ", sampled in it": lambda: replayed.decode_and_sample(token_ids, lengths, temperatures, uniforms),
+    }
     kind = "graph" if engine.graphs is not None else "padded eager forward (no graphs off a GPU)"
-    print(f"rows {rows}: {kind} {step_ms:.2f} ms per step", flush=True)
+    for variant, step in steps.items():
+        for _ in range(3):
+            step()
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        synchronize(device)
+        step_ms = (time.perf_counter() - start) / iters * 1000
+        print(f"rows {rows}, {length} keys: {kind}{variant} {step_ms:.2f} ms per step", flush=True)
     if device.type != "cuda":
         return
     eager.decode(token_ids, lengths)
@@ -96,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b, ... or tiny")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--length", type=int, default=200, help="keys each row attends to (<= 256)")
+    parser.add_argument(
+        "--length", type=int, nargs="+", default=[200], help="keys each row attends to (<= 256), each in turn"
+    )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
     parser.add_argument(
@@ -108,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "choice), pytorch (PyTorch's), or one backend",
     )
     args = parser.parse_args(argv)
-    if not 1 <= args.length <= 256:
+    if not all(1 <= length <= 256 for length in args.length):
         parser.error("--length must be in [1, 256]: the warm-up wave sizes the cache to 256 positions")
     model = build_model(args.preset, args.device)
     if args.compile_blocks:
@@ -124,14 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         run_wave(engine, prompts, 128)
         engine.pause().result()
         blocks = "compiled" if args.compile_blocks else "eager"
-        print(f"{args.preset} on {args.device}, norms and MLPs {blocks}, {args.length} keys per row")
+        print(f"{args.preset} on {args.device}, norms and MLPs {blocks}")
         server_choice = kv_cache.DECODE_SDPA_BACKENDS
         for choice in args.decode_attention:
             chosen = server_choice if choice == "server" else ATTENTION_BACKENDS[choice]
             kv_cache.DECODE_SDPA_BACKENDS = chosen
             print(f"decode attention: {choice} ({kv_cache.DECODE_SDPA_BACKENDS or 'any backend'})")
             for rows in args.rows:
-                measure(engine, rows, args.length, args.iters, fresh_graphs=choice != "server")
+                for length in args.length:
+                    measure(engine, rows, length, args.iters, fresh_graphs=choice != "server")
     finally:
         engine.close()
     return 0

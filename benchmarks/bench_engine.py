@@ -27,7 +27,10 @@ synchronisation (which would slow the server), so their times are host times. Co
 serving over HTTP changes: how many prefills the staggered arrivals cause, and what they cost.
 `--compile-blocks` compiles the model's norms and MLPs first (harness/compiled_blocks.py; the server does by
 default on a GPU, this benchmark only with the flag, in both modes);
-`--scheduler-delay-factor F` gives the HTTP mode's engine that admission delay.
+`--scheduler-delay-factor F` gives the HTTP mode's engine that admission delay; `--no-sample-in-graph`
+samples each decode step after its graph rather than inside it. `--profile` (a GPU) runs
+torch.profiler over the last wave (with `--http`, the timed waves) and prints how busy the GPU was: its
+summed kernel and copy time against the wall time, per decode step, and the heaviest kernels.
 
 One H200 run (random Qwen3-0.6B, bf16, 128-token prompts, 128 new tokens, `--compile-blocks`), tokens/s of
 the last two waves at 64 / 256 in flight: 12,688-12,830 / 21,766-23,633 with async scheduling (at 64 a
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import random
 import sys
 import threading
@@ -99,6 +103,47 @@ def summary(timers: dict[str, list[float]]) -> dict[str, tuple[int, float, float
     }
 
 
+class GpuProfile:
+    """torch.profiler over a stretch of serving, CUDA activity only: how busy the GPU was, and with what.
+
+    `start()` and `stop()` bound the stretch; `report()` prints the wall time, the GPU's summed kernel and
+    copy time as a share of it (what is left is time the GPU waited for the host), the kernels per decode
+    step, and the heaviest kernels by total time. Kernels replayed from CUDA graphs are counted one by one.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self.wall_s = 0.0
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.profiler.start()
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        synchronize(self.device)
+        self.wall_s = time.perf_counter() - self._start
+        self.profiler.stop()
+
+    def report(self, decode_steps: int) -> None:
+        events = [e for e in self.profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_s = sum(e.device_time for e in events) / 1e6
+        by_name: dict[str, list[float]] = collections.defaultdict(list)
+        for event in events:
+            by_name[event.name].append(event.device_time / 1000)
+        steps = max(1, decode_steps)
+        print(
+            f"GPU profile: {self.wall_s:.2f} s wall, {busy_s:.2f} s of kernels and copies "
+            f"({busy_s / self.wall_s:.0%} busy), {len(events)} of them; per decode step ({decode_steps}): "
+            f"{1000 * busy_s / steps:.2f} ms, {len(events) / steps:.0f} kernels and copies"
+        )
+        heaviest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:15]
+        for name, times in heaviest:
+            mean_us = sum(times) / len(times) * 1000
+            print(f"  {sum(times):8.1f} ms {len(times):7d} x {mean_us:7.1f} us  {name[:100]}")
+
+
 def run_wave(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
     """Submit every prompt at once and wait for all; the seconds it took."""
     done = threading.Event()
@@ -129,6 +174,8 @@ def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
         enforce_eager=args.eager,
         async_scheduling=args.async_scheduling,
     )
+    if engine.graphs is not None:
+        engine.graphs.samples_in_graph = args.sample_in_graph
     timers: dict[str, list[float]] = collections.defaultdict(list)
     # A synchronisation around each part would undo the overlap of async scheduling: host times then.
     timing_device = torch.device("cpu") if args.async_scheduling else model.device
@@ -144,7 +191,14 @@ def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
             for values in timers.values():
                 values.clear()
             prompts = [[rng.randint(10, 30000) for _ in range(args.prompt_len)] for _ in range(concurrency)]
+            profile = GpuProfile(model.device) if args.profile and wave == 2 else None
+            steps_before = engine.stats().num_decode_steps
+            if profile is not None:
+                profile.start()
             seconds = run_wave(engine, prompts, args.max_tokens)
+            if profile is not None:
+                profile.stop()
+                profile.report(engine.stats().num_decode_steps - steps_before)
             parts = summary(timers)
             print(
                 f"eager={args.eager} ahead={args.async_scheduling} C={concurrency} wave {wave}: "
@@ -160,6 +214,18 @@ def run(model: Any, args: argparse.Namespace, concurrency: int) -> None:
     finally:
         engine.close()
         model.set_attn_implementation("sdpa")
+
+
+def timed_window(
+    state: Any, timers: dict[str, list[float]], steps: list[int], profile: GpuProfile | None, *, start: bool
+) -> None:
+    """Open (the parts' timers cleared) or close the timed waves' window of `run_http`."""
+    if start:
+        for values in timers.values():
+            values.clear()
+    steps.append(state.engine.stats().num_decode_steps)
+    if profile is not None:
+        profile.start() if start else profile.stop()
 
 
 def run_http(model: Any, args: argparse.Namespace) -> None:
@@ -180,6 +246,8 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
         async_scheduling=args.async_scheduling,
     )
     state = ServerState.from_model(model, config)
+    if state.engine.graphs is not None:
+        state.engine.graphs.samples_in_graph = args.sample_in_graph
     timers: dict[str, list[float]] = collections.defaultdict(list)
     for name in ("_prefill", "_decode", "_decode_ahead", "_collect", "_step"):
         timed(state.engine, name, timers, torch.device("cpu"))  # host times: no device synchronisation
@@ -188,12 +256,17 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
     )
     with EmbeddedServer(state) as server:
         for concurrency in args.concurrency:
-
-            def clear() -> None:  # the parts of the timed waves only
-                for values in timers.values():
-                    values.clear()
-
-            row = bench_serving.measure(server.base_url, concurrency, load, on_timed_start=clear)
+            profile = GpuProfile(model.device) if args.profile else None
+            steps: list[int] = []  # the engine's decode steps at the start and at the end of the timed waves
+            row = bench_serving.measure(
+                server.base_url,
+                concurrency,
+                load,
+                on_timed_start=functools.partial(timed_window, state, timers, steps, profile, start=True),
+                on_timed_end=functools.partial(timed_window, state, timers, steps, profile, start=False),
+            )
+            if profile is not None:
+                profile.report(steps[1] - steps[0])
             parts = summary(timers)
             print(
                 f"HTTP eager={args.eager} ahead={args.async_scheduling} delay={args.scheduler_delay_factor} "
@@ -225,7 +298,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scheduler-delay-factor", type=float, default=0.0, help="the engine's (with --http)"
     )
+    parser.add_argument(
+        "--sample-in-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="record a decode step's sampling in its CUDA graph where the rows allow it (default: on)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="torch.profiler over the last wave (with --http: the timed waves): GPU busy share, top kernels",
+    )
     args = parser.parse_args(argv)
+    if args.profile and not args.device.startswith("cuda"):
+        parser.error("--profile reports GPU kernels: it needs --device cuda")
     model = build_model(args.preset, args.device)
     if args.compile_blocks:
         from harness.compiled_blocks import compile_blocks

@@ -18,7 +18,8 @@ script's flag of that name, default 1: requests arriving while rows decode wait 
 `builtin-switch-MS` with `--switch-interval-ms MS` (the GIL's switch interval in the server's process,
 Python's default being 5 ms; e.g. `builtin-switch-0.5`), `builtin-blocks`
 and `builtin-rows` with the inverse-CDF search of their sampling forced (`sampling.searches_by_block`:
-two levels of blocks, or one scan per row, a GPU's default), `vllm` is
+two levels of blocks, or one scan per row, a GPU's default), `builtin-sample-apart` with each decode
+step's sampling launched after its CUDA graph instead of recorded in it (as before 2026-12-07), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -75,10 +76,17 @@ from harness.server.engine import PREFILL_RUNS
 from harness.testing.servers import start_vllm_process, stop_process_group, tail
 
 SERVED_NAME = "bench"
-SEARCH_LAUNCHER = (  # `python -m harness.server`, the inverse-CDF search of its sampling set to blocks or not
-    "import sys; from harness.server import sampling; sampling.searches_by_block = lambda device: {blocked}; "
-    "from harness.server.cli import main; sys.exit(main(sys.argv[1:]))"
-)
+# `python -m harness.server` with one setting of its modules changed first.
+LAUNCHER = "import sys; {setup}; from harness.server.cli import main; sys.exit(main(sys.argv[1:]))"
+LAUNCHER_SETUPS = {
+    # the inverse-CDF search of the sampling set to blocks or not
+    "builtin-blocks": "from harness.server import sampling; sampling.searches_by_block = lambda device: True",
+    "builtin-rows": "from harness.server import sampling; sampling.searches_by_block = lambda device: False",
+    # each decode step sampled after its CUDA graph, not inside it
+    "builtin-sample-apart": (
+        "from harness.server.cuda_graphs import StepGraphs; StepGraphs.samples_in_graph = False"
+    ),
+}
 
 
 def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str]:
@@ -92,14 +100,13 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],
         "builtin-nodelay": ["--scheduler-delay-factor", "0"],
         "builtin-api": ["--api-server-count", "1"],
-        "builtin-blocks": [],
-        "builtin-rows": [],
+        **{kind: [] for kind in LAUNCHER_SETUPS},
     }
     if kind.startswith("builtin-switch-"):  # builtin-switch-0.1: the interval in the name
         builtin_flags[kind] = ["--switch-interval-ms", str(float(kind.removeprefix("builtin-switch-")))]
     launcher = ["-m", "harness.server"]
-    if kind in ("builtin-blocks", "builtin-rows"):  # the server with its sampling's search forced
-        launcher = ["-c", SEARCH_LAUNCHER.format(blocked=kind == "builtin-blocks")]
+    if kind in LAUNCHER_SETUPS:
+        launcher = ["-c", LAUNCHER.format(setup=LAUNCHER_SETUPS[kind])]
     if kind in builtin_flags:
         argv = [sys.executable, *launcher, model_dir, "--served-model-name", SERVED_NAME]
         argv += ["--device", args.device, "--max-model-len", max_model_len, "--max-num-seqs", "256"]

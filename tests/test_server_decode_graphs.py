@@ -72,6 +72,16 @@ def mixed_params() -> list[SamplingParams]:
     ]
 
 
+def plain_params() -> list[SamplingParams]:
+    """Sampling by temperature alone, which a decode step's graph records with it: greedy with its top-1
+    log-prob, seeded at temperature 1 with its sampled token's, seeded at 0.7 with none."""
+    return [
+        SamplingParams(max_tokens=100, temperature=0.0, num_logprobs=1),
+        SamplingParams(max_tokens=90, temperature=1.0, seed=11, num_logprobs=0),
+        SamplingParams(max_tokens=80, temperature=0.7, seed=12),
+    ]
+
+
 def assert_same_outputs(left: list[GenerationOutput], right: list[GenerationOutput], atol: float) -> None:
     for a, b in zip(left, right, strict=True):
         assert a.output_ids == b.output_ids
@@ -111,6 +121,23 @@ def test_the_padded_step_decodes_exactly_as_the_eager_one():
     assert engine.graphs.num_forwards["prefill"] >= 1 and engine.graphs.num_forwards["decode"] >= 99
     assert max(len(o.prompt_ids) + len(o.output_ids) for o in padded) > 128
     assert_greedy_matches(build_tiny_qwen3(), padded[0], atol=1e-4)
+
+
+def test_a_step_sampled_in_its_graph_draws_as_the_eager_engine_does():
+    # Every row samples by temperature alone, so each decode step runs with its sampling (the graphs'
+    # "decode+sample" forward); with a top-k row among them (mixed_params, above) the step samples apart.
+    eager = generate(make_engine(build_tiny_qwen3(), graphs="none"), PROMPTS, plain_params())
+    engine = make_engine(build_tiny_qwen3(), graphs="padded")
+    padded = generate(engine, PROMPTS, plain_params())
+    assert engine.graphs is not None and engine.graphs.num_forwards["decode+sample"] > 50
+    assert engine.graphs.num_forwards["decode"] == 0
+    assert_same_outputs(eager, padded, atol=1e-5)
+    assert [len(top) for top in padded[0].top_logprobs] == [1] * 100
+    assert padded[0].top_logprobs[5][0] == (padded[0].output_ids[5], padded[0].logprobs[5])  # greedy: top-1
+    assert padded[2].logprobs is None
+    apart = make_engine(build_tiny_qwen3(), graphs="padded")
+    generate(apart, PROMPTS, mixed_params())
+    assert apart.graphs.num_forwards["decode+sample"] == 0 and apart.graphs.num_forwards["decode"] > 50
 
 
 def test_padding_rows_leave_rows_joining_later_intact():
@@ -177,12 +204,18 @@ class RecordingGraphs(StepGraphs):
         return type("Replay", (), {"replay": staticmethod(forward)})()
 
 
-@torch.inference_mode()  # as the engine's thread runs every forward
-def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs():
+def recording_graphs(rows: int, length: int) -> tuple[Engine, RecordingGraphs]:
+    """A tiny model's engine (not started) and RecordingGraphs over its cache, sized to rows x length."""
     model = build_tiny_qwen3()
     engine = make_engine(model, graphs="none")
     graphs = RecordingGraphs(model, engine.cache)
-    engine.cache.reserve(4, 64)
+    engine.cache.reserve(rows, length)
+    return engine, graphs
+
+
+@torch.inference_mode()  # as the engine's thread runs every forward
+def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs():
+    engine, graphs = recording_graphs(4, 64)
     prompts = [list(range(10, 40)), list(range(50, 70))]
 
     def prefill() -> torch.Tensor:
@@ -200,9 +233,11 @@ def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs()
     assert graphs.num_captures == 2  # decode: at its first use
     graphs.decode([5, 6], [32, 22])
     assert graphs.num_captures == 2
+    graphs.decode_and_sample([5, 6], [33, 23], [1.0, 1.0], [0.5, -1.0])
+    assert graphs.num_captures == 3  # the same step with its sampling is a graph of its own
     engine.cache.reserve(8, 128)  # the cache grows: every graph is dropped ...
-    assert prefill().equal(first) and graphs.num_captures == 3  # ... and a recurring shape captured at once
-    assert graphs.num_forwards == {"prefill": 5, "decode": 2}
+    assert prefill().equal(first) and graphs.num_captures == 4  # ... and a recurring shape captured at once
+    assert graphs.num_forwards == {"prefill": 5, "decode": 2, "decode+sample": 1}
 
 
 def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(monkeypatch):
@@ -211,10 +246,7 @@ def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(mo
     # a padding row. Each request's logits come back in the caller's order, equal to a forward of its
     # prompt alone, and its keys land in its own row.
     monkeypatch.setattr(cuda_graphs, "MAX_PREFILL_GRAPH_TOKENS", 64)
-    model = build_tiny_qwen3()
-    engine = make_engine(model, graphs="none")
-    graphs = RecordingGraphs(model, engine.cache)
-    engine.cache.reserve(8, 64)
+    engine, graphs = recording_graphs(8, 64)
     prompts = [list(range(10, 60)), list(range(70, 79)), list(range(100, 130)), [3] * 20, [4, 5] * 6]
     rows = [4, 0, 2, 1, 3]
     shapes = [chunk[1:] for chunk in graphs._chunks([len(p) for p in prompts], [len(p) for p in prompts])]
@@ -238,10 +270,7 @@ def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(mo
 
 def test_a_prompt_whose_bucket_is_over_the_graph_limit_is_left_to_the_eager_prefill(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "MAX_PREFILL_GRAPH_TOKENS", 100)  # not a bucket size
-    model = build_tiny_qwen3()
-    engine = make_engine(model, graphs="none")
-    graphs = RecordingGraphs(model, engine.cache)
-    engine.cache.reserve(4, 128)
+    _, graphs = recording_graphs(4, 128)
     with torch.inference_mode():
         assert graphs.prefill([0], [list(range(97))], [0]) is None  # 97 tokens pad to 128
         assert (
@@ -308,6 +337,18 @@ def test_cuda_graphs_decode_as_the_eager_engine_does():
     graphed = generate(engine, PROMPTS, mixed_params())
     assert engine.graphs is not None and engine.graphs.enabled
     assert engine.graphs.num_captures >= 3  # several key-position buckets, and recaptures after growth
+    assert_same_outputs(eager, graphed, atol=1e-4)
+    assert_greedy_matches(build_tiny_qwen3().cuda(), graphed[0], atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_that_sample_draw_as_the_eager_engine_does():
+    eager = generate(make_engine(build_tiny_qwen3().cuda(), graphs="none"), PROMPTS, plain_params())
+    engine = make_engine(build_tiny_qwen3().cuda(), graphs="cuda")
+    graphed = generate(engine, PROMPTS, plain_params())
+    assert engine.graphs is not None and engine.graphs.enabled
+    assert engine.graphs.num_forwards["decode+sample"] > 50 and engine.graphs.num_forwards["decode"] == 0
+    assert engine.num_steps_ahead > 50
     assert_same_outputs(eager, graphed, atol=1e-4)
     assert_greedy_matches(build_tiny_qwen3().cuda(), graphed[0], atol=1e-3)
 

@@ -16,6 +16,10 @@ How: a graph is captured per shape bucket, every size padded up to a power of tw
 holds: decode per (rows, key positions), prefill per (requests, new tokens per request, key positions),
 where new tokens pad to a power of two or 1.5 times one (`token_bucket`): prompts of 96-160 tokens pad to
 1.24 times their tokens instead of 1.49.
+A decode step whose rows all sample by temperature alone (the RL rollout's case) records its sampling in
+the same graph (`decode_and_sample`, `sampling.draw_tokens`): the uniform draws and temperatures are inputs
+like the tokens, and the host launches one replay per step instead of the replay and some twenty sampling
+kernels; any other step samples after its graph (`sampling.launch_sampling`).
 A prefill runs as one graph per chunk of its requests, longest first, each chunk as many requests as
 `MAX_PREFILL_GRAPH_TOKENS` holds at its new-token bucket: a wave of 32 prompts of 96-160 tokens is four
 graphs of at most 2,048 tokens, not one eager forward (on an H200 at 64 requests in flight over HTTP, 5 of
@@ -59,6 +63,7 @@ import torch
 
 from harness.server.device_copies import to_device
 from harness.server.kv_cache import ForwardBatch, RowKVCache, forward_context
+from harness.server.sampling import draw_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -105,13 +110,18 @@ class StepGraphs:
         capture: Capture CUDA graphs (needs a CUDA model); False runs the same padded forwards eagerly.
     """
 
+    # Whether the engine records a decode step's sampling in the step's graph where the rows allow it
+    # (`decode_and_sample`); off, each step is sampled after its graph (benchmarks compare the two).
+    samples_in_graph = True
+
     def __init__(self, model: PreTrainedModel, cache: RowKVCache, *, capture: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.capture = capture
         self.enabled = True
         self.num_captures = 0
-        self.num_forwards = {"decode": 0, "prefill": 0}  # run through this class, replayed or not
+        # Forwards run through this class, replayed or not: "decode+sample" are decode steps sampled in-graph.
+        self.num_forwards = {"decode": 0, "decode+sample": 0, "prefill": 0}
         self.last_run: Literal["replayed", "captured", "eager"] = "eager"  # how the last forward ran
         device = model.device
         max_rows = cache.max_rows
@@ -120,6 +130,11 @@ class StepGraphs:
         # prefill_3R: each request's cache row, first new position, number of new tokens; then its tokens.
         self._prefill_3R = torch.zeros((3, max_rows), dtype=torch.long, device=device)
         self._prefill_tokens = torch.zeros(MAX_PREFILL_GRAPH_TOKENS, dtype=torch.long, device=device)
+        # sampling_2R[0]: each row's temperature; sampling_2R[1]: its uniform draw (-1: greedy); tokens_R and
+        # packed_R4: what a sampled decode step draws (`decode_and_sample`).
+        self._sampling_2R = torch.ones((2, max_rows), dtype=torch.float32, device=device)
+        self._tokens_R = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._packed_R4 = torch.zeros((max_rows, 4), dtype=torch.float64, device=device)
         self._row_ids_R = torch.arange(max_rows, device=device)
         self._zeros_R = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._positions_L = torch.arange(cache.max_length, device=device)
@@ -141,6 +156,34 @@ class StepGraphs:
         0..n-1 and max(lengths) positions (the engine's `reserve`). The result is a view of a buffer the
         next forward overwrites.
         """
+        shape = self._decode_inputs(token_ids, lengths)
+        self._replay("decode", shape, lambda: self._decode_forward(*shape))
+        return self._logits_RV[: len(lengths)]
+
+    def decode_and_sample(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        lengths: list[int],
+        temperatures: list[float],
+        uniforms: list[float],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step (as `decode`) and its sampling, both in one graph, for rows whose sampling is
+        their temperature alone (`sampling.samples_in_graph`): each row's logits divided by
+        `temperatures[i]` (1 for a greedy row), then the token of `uniforms[i]` (negative: the arg-max)
+        and its log-prob and top-1, as `sampling.draw_tokens` packs them. Returns views of the token ids
+        [n] and the packed columns [n, 4], buffers the next sampled step overwrites.
+        """
+        num_rows = len(lengths)
+        rows, key_positions = self._decode_inputs(token_ids, lengths)
+        padding = rows - num_rows
+        host_2R = [temperatures + [1.0] * padding, uniforms + [-1.0] * padding]
+        self._sampling_2R[:, :rows].copy_(to_device(host_2R, torch.float32, self._sampling_2R.device))
+        shape = (rows, key_positions)
+        self._replay("decode+sample", shape, lambda: self._decode_forward(*shape, sampled=True))
+        return self._tokens_R[:num_rows], self._packed_R4[:num_rows]
+
+    def _decode_inputs(self, token_ids: list[int] | torch.Tensor, lengths: list[int]) -> tuple[int, int]:
+        """Copy a decode step's inputs into the static buffers; its padded (rows, key positions)."""
         num_rows = len(lengths)
         self._drop_stale()
         rows = bucket(num_rows, self.cache.allocated_rows)
@@ -152,11 +195,11 @@ class StepGraphs:
         self._decode_2R[:, :rows].copy_(to_device(host_2R, torch.long, self._decode_2R.device))
         if on_device:
             self._decode_2R[0, :num_rows].copy_(token_ids)
-        self._replay("decode", (rows, key_positions), lambda: self._decode_forward(rows, key_positions))
-        return self._logits_RV[:num_rows]
+        return rows, key_positions
 
-    def _decode_forward(self, rows: int, key_positions: int) -> None:
-        """The padded decode step as the graph records it: views of static buffers and in-graph tensors."""
+    def _decode_forward(self, rows: int, key_positions: int, *, sampled: bool = False) -> None:
+        """The padded decode step as the graph records it: views of static buffers and in-graph tensors;
+        `sampled`, with its sampling (`decode_and_sample`)."""
         token_ids_R, lengths_R = self._decode_2R[0, :rows], self._decode_2R[1, :rows]
         positions_R = lengths_R - 1
         attend_RL = self._positions_L[None, :key_positions] < lengths_R[:, None]
@@ -171,6 +214,12 @@ class StepGraphs:
             kv_length=key_positions,
         )
         self._run_model(batch, token_ids_R[:, None], positions_R[:, None], rows)
+        if sampled:
+            temperatures_R, draws_R = self._sampling_2R[:, :rows]
+            logits_RV = self._logits_RV[:rows].float() / temperatures_R[:, None]
+            tokens_R, packed_R4 = draw_tokens(logits_RV, draws_R, num_top=1)
+            self._tokens_R[:rows].copy_(tokens_R)
+            self._packed_R4[:rows].copy_(packed_R4)
 
     # ------------------------------------------------------------------ prefill
 
@@ -309,7 +358,7 @@ class StepGraphs:
             replay()
             return
         self._uses[key] += 1
-        wanted = 1 if kind == "decode" else PREFILL_CAPTURE_AT_USE
+        wanted = PREFILL_CAPTURE_AT_USE if kind == "prefill" else 1
         self.last_run = "eager"
         if not (self.capture and self.enabled) or self._uses[key] < wanted:
             forward()

@@ -85,7 +85,14 @@ from harness.server.kv_cache import (
     register_attention,
 )
 from harness.server.prefix_cache import MISS, PrefixCache, PrefixHit, StoredPrefix
-from harness.server.sampling import PendingSample, RequestRandom, SamplingParams, launch_sampling
+from harness.server.sampling import (
+    PendingSample,
+    RequestRandom,
+    SamplingParams,
+    draw_uniforms,
+    launch_sampling,
+    samples_in_graph,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -854,17 +861,37 @@ class Engine:
         self._counters.num_decode_steps += 1
         lora_groups = self._lora_groups(requests)
         graphs = None if lora_groups else self.graphs  # the adapters' hooks are not in the graphs
+        if graphs is not None and len(ready) == num_rows:
+            pending = self._graph_step(requests, [r.tokens[-1] for r in requests], lengths)
+            for request in requests:
+                request.num_cached = len(request.tokens)
+            if self._may_go_ahead(requests):
+                self._in_flight = _StepInFlight(requests, pending)
+            else:
+                self._collect(requests, pending)
+            return
         if graphs is not None:
             logits = graphs.decode([r.tokens[-1] for r in requests], lengths)
         else:
             logits = self._eager_decode(requests, lengths, lora_groups)
         for row in ready:
             requests[row].num_cached = len(requests[row].tokens)
-        if len(ready) == num_rows and graphs is not None and self._may_go_ahead(requests):
-            self._in_flight = _StepInFlight(requests, self._launch_sample(requests, logits))
-            return
         ready_requests = [requests[row] for row in ready]
         self._sample(ready_requests, logits[ready] if len(ready) < num_rows else logits)
+
+    def _graph_step(
+        self, requests: list[_Request], token_ids: list[int] | torch.Tensor, lengths: list[int]
+    ) -> PendingSample:
+        """Launch the graphed decode step of `requests` (rows 0..n-1) and its sampling: inside the step's
+        graph when every row's sampling is its temperature alone (`samples_in_graph`), else after it."""
+        assert self.graphs is not None
+        params = [r.params for r in requests]
+        if not (self.graphs.samples_in_graph and samples_in_graph(params)):
+            return self._launch_sample(requests, self.graphs.decode(token_ids, lengths))
+        temperatures = [p.applied_temperature for p in params]
+        uniforms = draw_uniforms(params, [r.random for r in requests])
+        tokens, packed = self.graphs.decode_and_sample(token_ids, lengths, temperatures, uniforms)
+        return PendingSample(tokens, packed, 1, params, None)
 
     # ------------------------------------------------------------------ async scheduling
 
@@ -915,11 +942,10 @@ class Engine:
         self, requests: list[_Request], tokens: torch.Tensor, lengths: list[int]
     ) -> None:
         """Launch the decode step of `requests` (rows 0..n-1) from input tokens on the device, unread."""
-        assert self.graphs is not None
-        logits = self.graphs.decode(tokens, lengths)
+        pending = self._graph_step(requests, tokens, lengths)
         for request, length in zip(requests, lengths, strict=True):
             request.num_cached = length
-        self._in_flight = _StepInFlight(requests, self._launch_sample(requests, logits))
+        self._in_flight = _StepInFlight(requests, pending)
         self.num_steps_ahead += 1
         self._counters.num_decode_steps += 1
 

@@ -84,6 +84,11 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def applied_temperature(self) -> float:
+        """What the logits are divided by: 1 for a greedy request, else the temperature, at least 0.01."""
+        return 1.0 if self.greedy else max(self.temperature, MIN_TEMPERATURE)
+
+    @property
     def truncates(self) -> bool:
         """Whether top-k, top-p or min-p leave only part of the vocabulary to draw from."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0
@@ -145,7 +150,7 @@ def processed_logits(
         if params.repetition_penalty != 1.0
         for token in set(seen_tokens_B[row])
     ]
-    temperatures = [1.0 if p.greedy else max(p.temperature, MIN_TEMPERATURE) for p in params_B]
+    temperatures = [p.applied_temperature for p in params_B]
     processed = bool(penalised) or any(t != 1.0 for t in temperatures) or any(p.truncates for p in params_B)
     logits_BV = logits_BV.to(torch.float32, copy=processed)
     if penalised:  # one copy for every row's tokens
@@ -206,7 +211,9 @@ class PendingSample:
     `token_ids_B` (on the device) can feed the next forward before the host has read anything: that is how
     the engine launches a decode step ahead (`Engine`'s async scheduling). On a GPU the packed results travel
     to pinned host memory by an asynchronous copy followed by an event, so `result()` waits for this step
-    only, not for work queued after it.
+    only, not for work queued after it. The tensors given may be buffers the next step overwrites (a CUDA
+    graph's outputs, `StepGraphs.decode_and_sample`): the packed results are copied at once, to pinned
+    memory on a GPU, and on a CPU (where the next step runs before this one is read) both are cloned.
     """
 
     def __init__(
@@ -223,7 +230,9 @@ class PendingSample:
         self._finite_MV = finite_MV  # rows asking for their candidate set: which tokens stayed finite
         self._packed_BC = packed_BC
         self._event: torch.cuda.Event | None = None
-        if packed_BC.device.type == "cuda":
+        if packed_BC.device.type == "cpu":
+            self.token_ids_B, self._packed_BC = token_ids_B.clone(), packed_BC.clone()
+        elif packed_BC.device.type == "cuda":
             self._packed_BC = torch.empty(packed_BC.shape, dtype=packed_BC.dtype, pin_memory=True)
             self._packed_BC.copy_(packed_BC, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -275,22 +284,44 @@ def launch_sampling(
     logits_BV = processed_logits(logits_BV, params_B, seen_tokens_B)
     device = logits_BV.device
     # One host-to-device copy in (each row's uniform draw, -1 for greedy rows) and one device-to-host copy
-    # out (tokens, their log-probs and the top-k, packed as float64, exact for token ids); on a GPU both are
-    # asynchronous (pinned memory), so the host never waits here for the forward that made the logits.
-    uniforms = [-1.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)]
+    # out (`PendingSample`); on a GPU both are asynchronous (pinned memory), so the host never waits here
+    # for the forward that made the logits.
+    uniforms = draw_uniforms(params_B, randoms_B)
     num_top = min(max((p.num_logprobs or 0) for p in params_B), logits_BV.shape[-1])
+    draws_B = None if all(u < 0 for u in uniforms) else to_device(uniforms, torch.float32, device)
+    tokens_B, packed_BC = draw_tokens(logits_BV, draws_B, num_top)
+    masked_rows = masked_rows_of(params_B)
+    finite_MV = None
+    if masked_rows:
+        finite_MV = torch.isfinite(logits_BV[to_device(masked_rows, torch.long, device)])
+    return PendingSample(tokens_B, packed_BC, num_top, params_B, finite_MV)
+
+
+def draw_uniforms(params_B: list[SamplingParams], randoms_B: list[RequestRandom]) -> list[float]:
+    """This step's draw of each row from its own stream; -1 for a greedy row, which draws nothing."""
+    return [-1.0 if p.greedy else r.uniform() for p, r in zip(params_B, randoms_B, strict=True)]
+
+
+def draw_tokens(
+    logits_BV: torch.Tensor, draws_B: torch.Tensor | None, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token and the log-probs reported, from processed float32 logits: ([B] token ids, [B, C]
+    packed float64 columns: token, its log-prob, then the `num_top` most likely ids and their log-probs).
+
+    `draws_B` holds each row's uniform draw, negative for a greedy row (its arg-max); None: every row is
+    greedy. Only tensor operations, no host reads: a CUDA graph may record it (`cuda_graphs.py`).
+    """
     # A log-prob is a logit minus its row's log-partition, found as log_softmax finds it (the maximum plus
     # the log of the sum of exp(logit - maximum)), so only the log-probs reported are ever formed, and the
     # draw searches the unnormalised weights exp(logit - maximum).
     best_B, argmax_B = logits_BV.max(dim=-1)
     weights_BV = torch.sub(logits_BV, best_B[:, None], out=_workspace(logits_BV)).exp_()
     log_total_B = best_B + weights_BV.sum(dim=-1).log()
-    if all(u < 0 for u in uniforms):
+    if draws_B is None:
         tokens = argmax_B
     else:
-        draws = to_device(uniforms, torch.float32, device)
-        drawn = inverse_cdf(weights_BV, draws.clamp(min=0), blocked=searches_by_block(device))
-        tokens = torch.where(draws < 0, argmax_B, drawn)
+        drawn = inverse_cdf(weights_BV, draws_B.clamp(min=0), blocked=searches_by_block(logits_BV.device))
+        tokens = torch.where(draws_B < 0, argmax_B, drawn)
     token_logprobs = logits_BV.gather(-1, tokens[:, None]).squeeze(-1) - log_total_B
     columns = [tokens.double()[:, None], token_logprobs.double()[:, None]]
     if num_top == 1:  # the maximum already found: no top-k pass, and a greedy token is its row's top-1
@@ -298,11 +329,7 @@ def launch_sampling(
     elif num_top > 1:
         top_values, top_ids = logits_BV.topk(num_top, dim=-1)
         columns += [top_ids.double(), (top_values - log_total_B[:, None]).double()]
-    masked_rows = masked_rows_of(params_B)
-    finite_MV = None
-    if masked_rows:
-        finite_MV = torch.isfinite(logits_BV[to_device(masked_rows, torch.long, device)])
-    return PendingSample(tokens, torch.cat(columns, dim=1), num_top, params_B, finite_MV)
+    return tokens, torch.cat(columns, dim=1)
 
 
 _cpu_workspace = threading.local()  # per thread: each engine samples on its own
@@ -325,6 +352,15 @@ def _workspace(like_BV: torch.Tensor) -> torch.Tensor:
     if buffer is None or buffer.numel() < size:
         buffer = _cpu_workspace.buffer = torch.empty(size, dtype=torch.float32)
     return buffer[:size].view(like_BV.shape)
+
+
+def samples_in_graph(params_B: list[SamplingParams]) -> bool:
+    """Whether every row's sampling is its temperature alone (no repetition penalty, no top-k, top-p or
+    min-p) with at most its top-1 log-prob: what a decode step's CUDA graph records with the step
+    (`StepGraphs.decode_and_sample`), the same operations `launch_sampling` queues for such rows."""
+    return all(
+        p.repetition_penalty == 1.0 and not p.truncates and (p.num_logprobs or 0) <= 1 for p in params_B
+    )
 
 
 def masked_rows_of(params_B: list[SamplingParams]) -> list[int]:
