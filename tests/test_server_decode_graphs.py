@@ -240,6 +240,31 @@ def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs()
     assert graphs.num_forwards == {"prefill": 5, "decode": 2, "decode+sample": 1}
 
 
+@torch.inference_mode()
+def test_a_prefill_shape_not_captured_yet_runs_in_a_captured_graph_that_holds_it():
+    # Two prompts of 30 and 20 tokens make a (2 requests, 32 new tokens, 64 keys) graph, captured at its
+    # third use. One prompt of 10 tokens, (1, 16, 64) of its own, then replays that graph, padded, twice;
+    # its own shape is captured at its third use. Three prompts fit no captured graph: eager.
+    engine, graphs = recording_graphs(8, 64)
+    pair = [list(range(10, 40)), list(range(50, 70))]
+    for _ in range(3):
+        graphs.prefill([0, 1], pair, [0, 0])
+    assert graphs.num_captures == 1 and graphs.last_run == "captured"
+    short = list(range(200, 210))
+    reference = build_tiny_qwen3()(torch.tensor([short]), use_cache=True)
+    for row in (2, 3):
+        logits = graphs.prefill([row], [short], [0])
+        assert graphs.last_run == "replayed" and graphs.num_captures == 1
+        torch.testing.assert_close(logits[0], reference.logits[0, -1], atol=1e-5, rtol=1e-5)
+        keys, _ = engine.cache.rows(0, row + 1, len(short))
+        expected = reference.past_key_values.layers[0].keys[0]
+        torch.testing.assert_close(keys[row], expected, atol=1e-5, rtol=1e-5)
+    graphs.prefill([4], [short], [0])
+    assert graphs.last_run == "captured" and graphs.num_captures == 2
+    graphs.prefill([0, 1, 2], [*pair, short], [0, 0, 0])
+    assert graphs.last_run == "eager" and graphs.num_captures == 2
+
+
 def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(monkeypatch):
     # Graphs of at most 64 new tokens: prompts of 50, 9, 30, 20 and 12 tokens make a graph of one (50 -> 64
     # tokens), one of two (30 and 20 -> 32 each) and one of two (12 and 9 -> 16 each), the first two with

@@ -39,7 +39,9 @@ graph's instantiation, more than the eager prefill it replaces: on an H200 (0.6B
 one over HTTP, 64 in flight) the server's prefills of a warm-up and four timed waves averaged 165 ms when
 every new shape was captured at once, where one eager prefill of 64 prompts took 59 ms. A shape that recurs
 pays back its capture; uses are counted across cache reallocations, so a dropped shape that recurred is
-captured again at once.
+captured again at once. Until a prefill shape is captured, its chunk runs in the cheapest captured prefill
+graph that holds it (as many requests, new tokens and key positions or more), padded further, if there is
+one: an eager prefill's host time is that of ~1,500 kernel launches, a replay's a few padded tokens.
 
 What invalidates a graph: it reads the cache's storage and the model's parameters by address. Weight
 updates copy into the parameters in place (`weight_sync/wire.py`), so graphs survive them; a cache that
@@ -285,7 +287,8 @@ class StepGraphs:
     ) -> None:
         """Run one graph of a prefill: its logits land in rows 0..len(chunk.members)-1 of the logits
         buffer. The inputs come from pinned memory, so the host goes on to the next chunk while it runs."""
-        padded_batch, new_tokens = chunk.padded_batch, chunk.new_tokens
+        shape = self._prefill_shape(chunk)
+        padded_batch, new_tokens, _ = shape
         padding = padded_batch - len(chunk.members)
         host_3R: list[list[int]] = [[], [], []]
         host_tokens: list[int] = []
@@ -301,8 +304,28 @@ class StepGraphs:
         device = self._prefill_3R.device
         self._prefill_3R[:, :padded_batch].copy_(to_device(host_3R, torch.long, device))
         self._prefill_tokens[: padded_batch * new_tokens].copy_(to_device(host_tokens, torch.long, device))
-        shape = (padded_batch, new_tokens, chunk.key_positions)
         self._replay("prefill", shape, lambda: self._prefill_forward(*shape))
+
+    def _prefill_shape(self, chunk: PrefillChunk) -> tuple[int, int, int]:
+        """The shape a prefill chunk runs as: its own, unless that would run eagerly (not captured, and not
+        used often enough to be) while a captured prefill graph holds the chunk (as many requests or more,
+        as many new tokens per request or more, as many key positions or more); then the cheapest such
+        graph, padded further. Its own shape's use is still counted, so a shape that recurs gets its own
+        graph as before; until then its requests pay a few padded tokens rather than an eager forward
+        (the host's launches of ~1,500 kernels)."""
+        own = (chunk.padded_batch, chunk.new_tokens, chunk.key_positions)
+        key = ("prefill", *own)
+        if key in self._graphs or self._uses[key] + 1 >= PREFILL_CAPTURE_AT_USE or not self.capture:
+            return own
+        captured = [tuple(int(size) for size in key[1:]) for key in self._graphs if key[0] == "prefill"]
+        holders = [
+            shape for shape in captured if all(have >= need for have, need in zip(shape, own, strict=True))
+        ]
+        if not holders:
+            return own
+        self._uses[key] += 1
+        padded_batch, new_tokens, key_positions = min(holders, key=lambda s: (s[0] * s[1], s[2]))
+        return padded_batch, new_tokens, key_positions
 
     def _prefill_forward(self, padded_batch: int, new_tokens: int, key_positions: int) -> None:
         """The padded prefill as the graph records it: the eager prefill's left-padded layout, every query
