@@ -14,8 +14,9 @@ in flight prefills every step or two.
 
 How: a graph is captured per shape bucket, every size padded up to a power of two within what the cache
 holds: decode per (rows, key positions), prefill per (requests, new tokens per request, key positions),
-where new tokens pad to a power of two or 1.5 times one (`token_bucket`): prompts of 96-160 tokens pad to
-1.24 times their tokens instead of 1.49.
+where a prefill's new tokens and a decode step's key positions pad to a power of two or 1.5 times one
+(`token_bucket`): prompts of 96-160 tokens pad to 1.24 times their tokens instead of 1.49, and rows of
+129-192 tokens decode over 192 key positions instead of 256.
 A decode step whose rows all sample by temperature alone (the RL rollout's case) records its sampling in
 the same graph (`decode_and_sample`, `sampling.draw_tokens`): the uniform draws and temperatures are inputs
 like the tokens, and the host launches one replay per step instead of the replay and some twenty sampling
@@ -189,7 +190,7 @@ class StepGraphs:
         num_rows = len(lengths)
         self._drop_stale()
         rows = bucket(num_rows, self.cache.allocated_rows)
-        key_positions = bucket(max(lengths), self.cache.allocated_length, MIN_KEY_POSITIONS)
+        key_positions = token_bucket(max(lengths), self.cache.allocated_length, MIN_KEY_POSITIONS)
         padding = rows - num_rows
         on_device = isinstance(token_ids, torch.Tensor)
         host_tokens = [0] * num_rows if on_device else list(token_ids)

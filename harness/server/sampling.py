@@ -412,6 +412,7 @@ def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor, *, blocked: bo
 def _first_above(mass_BK: torch.Tensor, cdf_BK: torch.Tensor, targets_B1: torch.Tensor) -> torch.Tensor:
     """Per row, the first index whose cumulative mass exceeds the target, else the last of positive mass."""
     found_B1 = torch.searchsorted(cdf_BK, targets_B1, right=True)
-    positions_K = torch.arange(mass_BK.shape[-1], device=mass_BK.device)
+    # int32 positions: over a whole row this is a [rows, vocabulary] pass, half the bytes of int64's.
+    positions_K = torch.arange(mass_BK.shape[-1], device=mass_BK.device, dtype=torch.int32)
     last_positive_B1 = torch.where(mass_BK > 0, positions_K, -1).max(dim=-1, keepdim=True).values
     return torch.minimum(found_B1, last_positive_B1)
