@@ -2,7 +2,10 @@
 
 Who talks to it: the engine calls `launch_sampling` once per forward pass with the last-position logits of
 every row and each row's `SamplingParams` and `RequestRandom`, and reads the step with `result()`, at once
-or (async scheduling) after launching the next forward; `sample_next_tokens` does both in one call.
+or (async scheduling) after launching the next forward; `sample_next_tokens` does both in one call. A decode
+step whose rows all sample by temperature alone (`samples_in_graph`) is instead sampled inside its CUDA
+graph (`cuda_graphs.StepGraphs.decode_and_sample`), which records `draw_tokens`, the same operations
+`launch_sampling` queues after processing the logits, and the engine wraps its outputs in a `PendingSample`.
 
 Log-prob semantics follow vLLM's `--logprobs-mode processed_logprobs`: the reported log-probs are those of
 the distribution actually sampled from, after (in this order) the repetition penalty, temperature, min-p and
