@@ -318,7 +318,7 @@ class StepGraphs:
         key = ("prefill", *own)
         if key in self._graphs or self._uses[key] + 1 >= PREFILL_CAPTURE_AT_USE or not self.capture:
             return own
-        captured = [tuple(int(size) for size in key[1:]) for key in self._graphs if key[0] == "prefill"]
+        captured = [tuple(int(size) for size in graph[1:]) for graph in self._graphs if graph[0] == "prefill"]
         holders = [
             shape for shape in captured if all(have >= need for have, need in zip(shape, own, strict=True))
         ]
