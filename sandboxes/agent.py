@@ -244,7 +244,7 @@ def op_exec(request):
         if timed_out:
             _kill_tree(proc.pid, marker)
         else:
-            _kill_group(proc.pid)  # what it left running in the background; `setsid` keeps a service
+            _kill_group(proc.pid, wait=True)  # what it left in the background; `setsid` keeps a service
         proc.wait()
     finally:
         with _children_lock:
@@ -412,9 +412,13 @@ def _state(stat):
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
 
 
-def _kill_group(pid):
+def _kill_group(pid, wait=False):
+    """SIGKILL process group `pid`; with `wait`, answer only once its members are gone (reaped), so the
+    next command does not find the zombies of a fork bomb's hundred children still in the sandbox."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    if wait:  # read after the kill: a child forked while it landed is in the group (and killed) too
+        _await_gone(_group_members(pid))
 
 
 def _proc_files(name):
@@ -429,8 +433,12 @@ def _proc_files(name):
 
 
 def _parent(stat):
-    # the fields after the parenthesised command name: state, then ppid
+    # the fields after the parenthesised command name: state, ppid, then the process group
     return int(stat[stat.rfind(b")") + 2 :].split()[1])
+
+
+def _group_members(pgid):
+    return {pid for pid, stat in _proc_files("stat") if int(stat[stat.rfind(b")") + 2 :].split()[2]) == pgid}
 
 
 def _marked(marker):
