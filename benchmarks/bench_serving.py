@@ -19,7 +19,10 @@ script's flag of that name, default 1: requests arriving while rows decode wait 
 Python's default being 5 ms; e.g. `builtin-switch-0.5`), `builtin-blocks`
 and `builtin-rows` with the inverse-CDF search of their sampling forced (`sampling.searches_by_block`:
 two levels of blocks, or one scan per row, a GPU's default), `builtin-sample-apart` with each decode
-step's sampling launched after its CUDA graph instead of recorded in it (as before 2026-12-07), `vllm` is
+step's sampling launched after its CUDA graph instead of recorded in it (as before 2026-12-07),
+`builtin-no-substitute` with a prefill shape not captured yet run eagerly rather than in a larger captured
+graph (as before 2026-12-07), `builtin-substitute-2x` with that substitute at most twice its tokens,
+`builtin-pow2-keys` with decode key positions padded to powers of two alone (as before 2026-12-07), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -85,6 +88,17 @@ LAUNCHER_SETUPS = {
     # each decode step sampled after its CUDA graph, not inside it
     "builtin-sample-apart": (
         "from harness.server.cuda_graphs import StepGraphs; StepGraphs.samples_in_graph = False"
+    ),
+    # a prefill shape not captured yet runs eagerly, or in a captured graph of at most twice its tokens
+    "builtin-no-substitute": (
+        "from harness.server.cuda_graphs import StepGraphs; StepGraphs.max_substitute_padding = 0"
+    ),
+    "builtin-substitute-2x": (
+        "from harness.server.cuda_graphs import StepGraphs; StepGraphs.max_substitute_padding = 2"
+    ),
+    # decode key positions padded to powers of two alone
+    "builtin-pow2-keys": (
+        "from harness.server.cuda_graphs import StepGraphs; StepGraphs.key_buckets_by_half = False"
     ),
 }
 

@@ -241,6 +241,15 @@ def test_a_decode_shape_is_captured_at_once_and_a_prefill_shape_once_it_recurs()
 
 
 @torch.inference_mode()
+def test_decode_key_positions_pad_by_half_a_power_of_two_unless_turned_off():
+    _, graphs = recording_graphs(4, 128)
+    reference = graphs.decode([3, 4], [90, 20]).clone()
+    graphs.key_buckets_by_half = False
+    assert graphs.decode([3, 4], [90, 20]).equal(reference)  # the same step over more padding
+    assert list(graphs._graphs) == [("decode", 2, 96), ("decode", 2, 128)]
+
+
+@torch.inference_mode()
 def test_a_prefill_shape_not_captured_yet_runs_in_a_captured_graph_that_holds_it():
     # Two prompts of 30 and 20 tokens make a (2 requests, 32 new tokens, 64 keys) graph, captured at its
     # third use. One prompt of 10 tokens, (1, 16, 64) of its own, then replays that graph, padded, twice;
@@ -263,6 +272,15 @@ def test_a_prefill_shape_not_captured_yet_runs_in_a_captured_graph_that_holds_it
     assert graphs.last_run == "captured" and graphs.num_captures == 2
     graphs.prefill([0, 1, 2], [*pair, short], [0, 0, 0])
     assert graphs.last_run == "eager" and graphs.num_captures == 2
+    # A cap on the substitute's padding: two prompts of 10 tokens, (2, 16, 64), fit the pair's graph at
+    # twice their padded tokens
+    shorts = [short, list(range(300, 310))]
+    graphs.max_substitute_padding = 1.5
+    graphs.prefill([5, 6], shorts, [0, 0])
+    assert graphs.last_run == "eager"
+    graphs.max_substitute_padding = 2
+    graphs.prefill([5, 6], shorts, [0, 0])
+    assert graphs.last_run == "replayed" and graphs.num_captures == 2
 
 
 def test_a_prefill_larger_than_one_graph_runs_as_several_in_the_callers_order(monkeypatch):

@@ -116,6 +116,11 @@ class StepGraphs:
     # Whether the engine records a decode step's sampling in the step's graph where the rows allow it
     # (`decode_and_sample`); off, each step is sampled after its graph (benchmarks compare the two).
     samples_in_graph = True
+    # How much larger a captured prefill graph may be, in padded tokens (requests x new tokens), than the
+    # chunk it runs in place of an eager prefill (`_prefill_shape`); 0 runs such chunks eagerly.
+    max_substitute_padding = float("inf")
+    # Decode key positions pad by `token_bucket` (a power of two or 1.5 times one); False: powers of two.
+    key_buckets_by_half = True
 
     def __init__(self, model: PreTrainedModel, cache: RowKVCache, *, capture: bool = True) -> None:
         self.model = model
@@ -190,7 +195,8 @@ class StepGraphs:
         num_rows = len(lengths)
         self._drop_stale()
         rows = bucket(num_rows, self.cache.allocated_rows)
-        key_positions = token_bucket(max(lengths), self.cache.allocated_length, MIN_KEY_POSITIONS)
+        pad = token_bucket if self.key_buckets_by_half else bucket
+        key_positions = pad(max(lengths), self.cache.allocated_length, MIN_KEY_POSITIONS)
         padding = rows - num_rows
         on_device = isinstance(token_ids, torch.Tensor)
         host_tokens = [0] * num_rows if on_device else list(token_ids)
@@ -319,8 +325,12 @@ class StepGraphs:
         if key in self._graphs or self._uses[key] + 1 >= PREFILL_CAPTURE_AT_USE or not self.capture:
             return own
         captured = [tuple(int(size) for size in graph[1:]) for graph in self._graphs if graph[0] == "prefill"]
+        most_tokens = self.max_substitute_padding * own[0] * own[1]
         holders = [
-            shape for shape in captured if all(have >= need for have, need in zip(shape, own, strict=True))
+            shape
+            for shape in captured
+            if all(have >= need for have, need in zip(shape, own, strict=True))
+            and shape[0] * shape[1] <= most_tokens
         ]
         if not holders:
             return own
