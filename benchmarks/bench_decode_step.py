@@ -5,6 +5,7 @@ replays when every row samples by temperature alone).
 
     python benchmarks/bench_decode_step.py                    # a GPU: random Qwen3-0.6B shape, bf16
     python benchmarks/bench_decode_step.py --compile-blocks   # norms and MLPs compiled, as the server does
+    python benchmarks/bench_decode_step.py --compile-layers   # whole decoder layers but their attention
     python benchmarks/bench_decode_step.py --device cpu --preset tiny --rows 8   # smoke: no graphs on CPU
 
 The engine first serves one wave of `max(--rows)` requests (128-token prompts, 128 new tokens), which sizes
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
     parser.add_argument(
+        "--compile-layers", action="store_true", help="compile whole decoder layers but their attention first"
+    )
+    parser.add_argument(
         "--decode-attention",
         nargs="+",
         choices=sorted(ATTENTION_BACKENDS),
@@ -121,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if not all(1 <= length <= 256 for length in args.length):
         parser.error("--length must be in [1, 256]: the warm-up wave sizes the cache to 256 positions")
     model = build_model(args.preset, args.device)
-    if args.compile_blocks:
+    if args.compile_layers:
+        from harness.compiled_blocks import compile_layers
+
+        compile_layers(model)
+    elif args.compile_blocks:
         from harness.compiled_blocks import compile_blocks
 
         compile_blocks(model)
@@ -133,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[random.randint(10, 30_000) for _ in range(128)] for _ in range(max(args.rows))]
         run_wave(engine, prompts, 128)
         engine.pause().result()
-        blocks = "compiled" if args.compile_blocks else "eager"
-        print(f"{args.preset} on {args.device}, norms and MLPs {blocks}")
+        compiled = "whole layers" if args.compile_layers else "norms and MLPs" if args.compile_blocks else ""
+        print(f"{args.preset} on {args.device}, {compiled + ' compiled' if compiled else 'eager'}")
         server_choice = kv_cache.DECODE_SDPA_BACKENDS
         for choice in args.decode_attention:
             chosen = server_choice if choice == "server" else ATTENTION_BACKENDS[choice]

@@ -6,6 +6,7 @@
     python benchmarks/bench_engine.py --device cpu --preset tiny --concurrency 8 --max-tokens 16  # smoke
     python benchmarks/bench_engine.py --http                # the same engine behind its HTTP server
     python benchmarks/bench_engine.py --compile-blocks      # norms and MLPs compiled (the trainer's default)
+    python benchmarks/bench_engine.py --compile-layers      # whole decoder layers but their attention
 
 Requests are submitted in-process, all C of a wave at once (each ~`--prompt-len` random tokens, exactly
 `--max-tokens` new ones, temperature 1, logprobs=1), three waves per concurrency; the first includes the
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http", action="store_true", help="behind the HTTP server, with client processes")
     parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
     parser.add_argument(
+        "--compile-layers", action="store_true", help="compile whole decoder layers but their attention first"
+    )
+    parser.add_argument(
         "--scheduler-delay-factor", type=float, default=0.0, help="the engine's (with --http)"
     )
     parser.add_argument(
@@ -315,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and not args.device.startswith("cuda"):
         parser.error("--profile reports GPU kernels: it needs --device cuda")
     model = build_model(args.preset, args.device)
-    if args.compile_blocks:
+    if args.compile_layers:
+        from harness.compiled_blocks import compile_layers
+
+        compile_layers(model)
+    elif args.compile_blocks:
         from harness.compiled_blocks import compile_blocks
 
         compile_blocks(model)

@@ -34,6 +34,16 @@ starts (`ServerConfig.compile_blocks`: on by default on a CUDA device, off with 
 in the engine's warm-up, `Engine.warm_up`), whose CUDA graphs then replay the fused kernels, and whose MLPs
 stay eager when LoRA adapters may be loaded (their forward hooks go on the MLPs' projections, after the
 compile); benchmarks/bench_packing.py and bench_engine.py.
+
+Whole layers (`compile_layers`, the built-in server's `ServerConfig.compile_layers`): a decode step is ~30
+kernels per layer, and between the compiled norms and MLP the attention block still launches one kernel per
+elementwise op (the rotary embedding's multiplies, negations, concatenations and adds; the residual adds).
+Compiling each decoder layer whole fuses those too, into two graphs a layer: everything before the
+attention call, and everything after it. The attention itself, which reads and writes the server's row
+cache (`harness.server.kv_cache.row_cache_attention`), is excluded from tracing (`torch.compiler.disable`):
+the graph breaks around it. Taken: decoder layers (class name ending in `DecoderLayer`) with a `self_attn`
+and a dense MLP of plain `nn.Linear` projections; any other layer, and the norms outside the layers (the
+final norm), get `compile_blocks`' treatment. Off by default until measured on a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["RECOMPILE_LIMIT", "compilable_blocks", "compile_blocks"]
+__all__ = ["RECOMPILE_LIMIT", "compilable_blocks", "compilable_layers", "compile_blocks", "compile_layers"]
 
 RECOMPILE_LIMIT = 64  # graphs dynamo may cache per code object (module docstring)
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -71,6 +81,37 @@ def compile_blocks(model: nn.Module, *, backend: Any = "inductor", mlps: bool = 
     for _, module in blocks:
         module.compile(backend=backend, dynamic=True)
     return [name for name, _ in blocks]
+
+
+def compilable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs of the decoder layers `compile_layers` compiles whole."""
+    return [(name, module) for name, module in model.named_modules() if _is_whole_layer(module)]
+
+
+def compile_layers(model: nn.Module, *, backend: Any = "inductor") -> list[str]:
+    """Compile every decoder layer `compilable_layers` finds whole, and `compile_blocks`' blocks outside
+    them, in place, with dynamic shapes; returns their names (module docstring). Compilation itself happens
+    at a module's first call."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    layers = compilable_layers(model)
+    inside = tuple(f"{name}." for name, _ in layers)
+    blocks = [(name, module) for name, module in compilable_blocks(model) if not name.startswith(inside)]
+    for _, module in layers + blocks:
+        module.compile(backend=backend, dynamic=True)
+    return [name for name, _ in layers + blocks]
+
+
+def _is_whole_layer(module: nn.Module) -> bool:
+    mlp = getattr(module, "mlp", None)
+    return (
+        type(module).__name__.endswith("DecoderLayer")
+        and hasattr(module, "self_attn")
+        and mlp is not None
+        and _is_dense_mlp(mlp)
+    )
 
 
 def _is_rms_norm(module: nn.Module) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.compiled_blocks import compilable_blocks, compile_blocks
+from harness.compiled_blocks import compilable_blocks, compilable_layers, compile_blocks, compile_layers
 from harness.packing import pack_row
 from harness.testing import build_tiny_qwen3, build_tiny_qwen3_5, build_tiny_qwen3_moe
 from harness.training.attention import packed_forward, prepare_model_for_tree_attention
@@ -40,13 +40,18 @@ def fresh_dynamo():
 
 
 class CountingBackend:
-    """A torch.compile backend that counts the graphs it is given and runs them as traced."""
+    """A torch.compile backend that counts the graphs it is given (and keeps the ops each calls) and runs
+    them as traced."""
 
     def __init__(self) -> None:
         self.num_graphs = 0
+        self.targets: list[set[str]] = []
 
     def __call__(self, graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
         self.num_graphs += 1
+        self.targets.append(
+            {str(node.target) for node in graph_module.graph.nodes if node.op != "placeholder"}
+        )
         return graph_module.forward
 
 
@@ -87,6 +92,50 @@ def test_gated_norms_of_deltanet_layers_stay_eager():
     for name, module in compilable_blocks(model):
         assert "Gated" not in type(module).__name__, name
     assert any(name.endswith("input_layernorm") for name, _ in compilable_blocks(model))
+
+
+def test_whole_decoder_layers_are_found_and_other_layers_keep_their_blocks():
+    model = build_tiny_qwen3(num_hidden_layers=2)
+    assert [name for name, _ in compilable_layers(model)] == ["model.layers.0", "model.layers.1"]
+    names = compile_layers(model, backend=CountingBackend())
+    assert names == ["model.layers.0", "model.layers.1", "model.norm"]  # the final norm sits outside them
+    moe = build_tiny_qwen3_moe()
+    assert not compilable_layers(moe)  # a sparse block is no dense MLP: its layers keep their norms alone
+    assert compile_layers(moe, backend=CountingBackend()) == [name for name, _ in compilable_blocks(moe)]
+
+
+def test_an_engine_of_whole_compiled_layers_decodes_as_the_eager_one():
+    # The layers' graphs hold the rotary embedding and the residual adds, never the attention that reads and
+    # writes the row cache (the graph breaks around it); as traced, they give the eager engine's tokens and
+    # log-probs exactly, alone and together, prefill and decode.
+    from engine_requests import run_requests
+
+    from harness.server.engine import Engine
+    from harness.server.sampling import SamplingParams
+
+    prompts = [[9] * 40, [3, 4], list(range(20, 31))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, num_logprobs=3)
+    backend = CountingBackend()
+    outputs = []
+    for compiled in (False, True):
+        model = build_tiny_qwen3(num_hidden_layers=2)
+        if compiled:
+            compile_layers(model, backend=backend)
+        engine = Engine(model, max_model_len=128, eos_token_ids=[], max_num_seqs=8, kv_cache_tokens=8 * 128)
+        engine.start()
+        try:
+            outputs.append(
+                run_requests(engine, prompts, params, together=True) + run_requests(engine, [[2]], params)
+            )
+        finally:
+            engine.close()
+    for eager, compiled in zip(*outputs, strict=True):
+        assert compiled.output_ids == eager.output_ids
+        assert compiled.logprobs == eager.logprobs
+        assert compiled.top_logprobs == eager.top_logprobs
+    traced = set().union(*backend.targets)
+    assert "aten.cat" in traced or any("cat" in target for target in traced), traced  # the rotary embedding
+    assert not [target for target in traced if "scaled_dot_product" in target or "index_put" in target]
 
 
 def test_one_compilation_serves_every_row_length_with_the_same_results():
@@ -188,6 +237,29 @@ def test_the_server_compiles_its_blocks_when_asked_and_keeps_lora_mlps_eager(val
         state.close()
 
 
+@pytest.mark.parametrize("enable_lora", [False, True])
+def test_the_server_compiles_whole_layers_when_asked_and_only_norms_with_lora(enable_lora, monkeypatch):
+    import functools
+
+    from harness import compiled_blocks
+    from harness.server.state import ServerConfig, ServerState
+
+    for name in ("compile_blocks", "compile_layers"):  # traced, not compiled by inductor: seconds on CPU
+        monkeypatch.setattr(
+            compiled_blocks, name, functools.partial(getattr(compiled_blocks, name), backend="eager")
+        )
+    model = build_tiny_qwen3(num_hidden_layers=2)
+    config = ServerConfig(model="tiny", max_model_len=64, compile_layers=True, enable_lora=enable_lora)
+    state = ServerState.from_model(model, config)
+    try:
+        for _, layer in compilable_layers(model):
+            assert (layer._compiled_call_impl is not None) is not enable_lora
+        assert model.model.norm._compiled_call_impl is not None
+        assert (model.model.layers[0].input_layernorm._compiled_call_impl is not None) is enable_lora
+    finally:
+        state.close()
+
+
 def test_the_serve_command_passes_compile_blocks_through():
     import argparse
 
@@ -198,10 +270,14 @@ def test_the_serve_command_passes_compile_blocks_through():
     assert parser.parse_args(["m"]).compile_blocks is None
     assert parser.parse_args(["m", "--compile-blocks"]).compile_blocks is True
     assert parser.parse_args(["m", "--no-compile-blocks"]).compile_blocks is False
+    assert parser.parse_args(["m"]).compile_layers is False
+    assert parser.parse_args(["m", "--compile-layers"]).compile_layers is True
 
 
-@pytest.mark.parametrize("warm_up", [True, False])
-def test_the_engines_warm_up_compiles_every_shape_its_requests_take(warm_up):
+@pytest.mark.parametrize(
+    ("warm_up", "compile_fn"), [(True, compile_blocks), (False, compile_blocks), (True, compile_layers)]
+)
+def test_the_engines_warm_up_compiles_every_shape_its_requests_take(warm_up, compile_fn):
     # Dynamic shapes specialise sizes of 1: one row and several, one new token (decode) and several (prefill).
     # After the warm-up, requests alone and together, short and long, compile nothing more; without it the
     # first requests do the compiling (the mutation check: the same requests then add graphs).
@@ -212,7 +288,7 @@ def test_the_engines_warm_up_compiles_every_shape_its_requests_take(warm_up):
 
     model = build_tiny_qwen3(num_hidden_layers=2)
     backend = CountingBackend()
-    compile_blocks(model, backend=backend)
+    compile_fn(model, backend=backend)
     engine = Engine(model, max_model_len=128, eos_token_ids=[], max_num_seqs=8, kv_cache_tokens=8 * 128)
     if warm_up:
         assert engine.warm_up() > 0 and engine.cache.allocated_tokens == 0
@@ -241,7 +317,8 @@ def test_a_compile_that_fails_in_the_warm_up_names_the_flag_that_avoids_it(monke
 
 
 @pytest.mark.slow
-def test_a_server_compiled_with_inductor_answers_as_the_eager_one():
+@pytest.mark.parametrize("what", ["compile_blocks", "compile_layers"])
+def test_a_server_compiled_with_inductor_answers_as_the_eager_one(what):
     # The real compiler on CPU (the GPU test runs it on CUDA): the warm-up compiles, then greedy tokens and
     # their log-probs equal those of the same model served eagerly.
     from engine_requests import run_requests
@@ -253,7 +330,7 @@ def test_a_server_compiled_with_inductor_answers_as_the_eager_one():
     params = SamplingParams(max_tokens=8, temperature=0.0, num_logprobs=0)
     outputs = {}
     for compiled in (False, True):
-        config = ServerConfig(model="tiny", max_model_len=128, compile_blocks=compiled)
+        config = ServerConfig(model="tiny", max_model_len=128, **{what: compiled})
         state = ServerState.from_model(build_tiny_qwen3(), config)
         try:
             outputs[compiled] = run_requests(state.engine, prompts, params)

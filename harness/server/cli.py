@@ -74,6 +74,12 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         "--enable-lora the MLPs stay eager)",
     )
     parser.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="compile each decoder layer whole but its attention (norms, projections, rotary embedding, "
+        "residuals, MLP), instead of its norms and MLPs alone; not with --enable-lora",
+    )
+    parser.add_argument(
         "--scheduler-delay-factor",
         type=float,
         default=None,
@@ -159,6 +165,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
             compile_blocks=args.compile_blocks,
+            compile_layers=args.compile_layers,
             scheduler_delay_factor=args.scheduler_delay_factor,
             async_scheduling=args.async_scheduling,
             max_logprobs=args.max_logprobs,

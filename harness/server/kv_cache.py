@@ -296,6 +296,9 @@ def _sdpa_backends(
     return sdpa_kernel(backends) if backends and query.is_cuda else contextlib.nullcontext()
 
 
+# Not traced where a compiled decoder layer calls it (`compiled_blocks.compile_layers`): the graph breaks
+# around it, and it runs as written, reading this forward's batch and the cache's storage as they are.
+@torch.compiler.disable
 def row_cache_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -61,6 +61,10 @@ class ServerConfig:
     """Compile each decoder layer's norms and MLPs (`harness/compiled_blocks.py`: fused kernels, replayed
     inside the CUDA graphs), in a warm-up before the server answers; None: on a GPU unless enforce_eager.
     With enable_lora the MLPs stay eager."""
+    compile_layers: bool = False
+    """Compile each decoder layer whole but its attention (`compiled_blocks.compile_layers`: the rotary
+    embedding and residual adds fused too), in place of compile_blocks' norms and MLPs; with enable_lora
+    (adapter hooks on the projections) the server compiles blocks as compile_blocks says instead."""
     scheduler_delay_factor: float | None = None
     """While rows decode, admit waiting requests once the oldest has waited this many times a recent
     prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0 or None (the
@@ -178,14 +182,7 @@ class ServerState:
         kv_cache_tokens = config.kv_cache_tokens or default_kv_cache_tokens(
             model, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
         )
-        if config.compile_blocks or (
-            config.compile_blocks is None and model.device.type == "cuda" and not config.enforce_eager
-        ):
-            from harness.compiled_blocks import compile_blocks
-
-            compiled = compile_blocks(model, mlps=not config.enable_lora)
-        else:
-            compiled = []
+        compiled, whole_layers = _compile(model, config)
         engine = Engine(
             model,
             max_model_len=max_model_len,
@@ -203,15 +200,20 @@ class ServerState:
             ),
         )
         if compiled:
+            what, flag, field = (
+                ("decoder layers", "no --compile-layers", "ServerConfig.compile_layers=False")
+                if whole_layers
+                else ("norms and MLPs", "--no-compile-blocks", "ServerConfig.compile_blocks=False")
+            )
             try:
                 seconds = engine.warm_up()
             except Exception as exc:
                 engine.close()
                 raise RuntimeError(
-                    f"compiling the model's norms and MLPs failed in the engine's warm-up ({exc!r}); serve "
-                    "with --no-compile-blocks (ServerConfig.compile_blocks=False) to run them eagerly"
+                    f"compiling the model's {what} failed in the engine's warm-up ({exc!r}); serve "
+                    f"with {flag} ({field}) to run them eagerly"
                 ) from exc
-            logger.info("compiled %d norms and MLPs in a warm-up of %.1f s", len(compiled), seconds)
+            logger.info("compiled %d %s in a warm-up of %.1f s", len(compiled), what, seconds)
         engine.start()
         logger.info(
             "engine ready: %s on %s (%s%s), max_model_len %d, KV budget %d tokens, max_num_seqs %d",
@@ -254,6 +256,27 @@ class ServerState:
         group, self.transfer_group = self.transfer_group, None
         if group is not None:
             group.close()
+
+
+def _compile(model: PreTrainedModel, config: ServerConfig) -> tuple[list[str], bool]:
+    """Compile what the config asks for (`harness/compiled_blocks.py`); the names compiled, and whether
+    they are whole decoder layers."""
+    from harness.compiled_blocks import compile_blocks, compile_layers
+
+    if config.compile_layers and not config.enable_lora:
+        return compile_layers(model), True
+    if config.compile_layers:
+        logger.warning(
+            "--compile-layers with --enable-lora: adapters hook the layers' projections, so only the norms "
+            "are compiled (as --compile-blocks does with LoRA)"
+        )
+    if (
+        config.compile_layers
+        or config.compile_blocks
+        or (config.compile_blocks is None and model.device.type == "cuda" and not config.enforce_eager)
+    ):
+        return compile_blocks(model, mlps=not config.enable_lora), False
+    return [], False
 
 
 def _eos_token_ids(model: PreTrainedModel) -> list[int]:
