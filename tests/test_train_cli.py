@@ -241,6 +241,30 @@ def test_the_command_dry_run_and_its_errors(tmp_path, capsys):
     assert "did you mean 'args.max_steps'?" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_command_takes_a_torchrun_process_group_down_at_the_end(tmp_path, monkeypatch, fails):
+    import torch.distributed as dist
+
+    from harness import train_config
+    from harness.cli import main
+
+    def run(*args, **kwargs):
+        assert dist.is_initialized()  # the trainer's group, as torchrun and accelerate would have formed it
+        if fails:
+            raise train_config.TrainConfigError("a bad key")
+        return {}
+
+    monkeypatch.setattr(train_config, "run", run)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert main(["train", str(write_spec(tmp_path))]) == (2 if fails else 0)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_harness_help_does_not_import_the_trainer_stack():
     code = "import sys; import harness.cli as c; c.build_parser(); print(sorted({'torch', 'transformers', \
 'harness.train_config'} & set(sys.modules)))"
