@@ -413,8 +413,8 @@ def _state(stat):
 
 
 def _kill_group(pid, wait=False):
-    """SIGKILL process group `pid`; with `wait`, answer only once its members are gone (reaped), so the
-    next command does not find the zombies of a fork bomb's hundred children still in the sandbox."""
+    """SIGKILL process group `pid`; with `wait`, return only once its members are gone (reaped), so the
+    next command does not find what this one left (a fork bomb's children) still holding the pids limit."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
     if wait:  # read after the kill: a child forked while it landed is in the group (and killed) too
