@@ -52,6 +52,7 @@ ATTENTION_BACKENDS = {
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "math": [SDPBackend.MATH],
+    "flash-varlen": None,  # not SDPA: FlashAttention's varlen kernel over the cache in place (kv_cache.py)
 }
 
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(ATTENTION_BACKENDS),
         default=["server"],
         help="SDPA backends of the decode step's attention, each measured in turn: server (the server's "
-        "choice), pytorch (PyTorch's), or one backend",
+        "choice), pytorch (PyTorch's), or one backend; flash-varlen: FlashAttention's varlen kernel instead",
     )
     args = parser.parse_args(argv)
     if not all(1 <= length <= 256 for length in args.length):
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         for choice in args.decode_attention:
             chosen = server_choice if choice == "server" else ATTENTION_BACKENDS[choice]
             kv_cache.DECODE_SDPA_BACKENDS = chosen
+            kv_cache.DECODE_ATTENTION = "flash-varlen" if choice == "flash-varlen" else "sdpa"
             print(f"decode attention: {choice} ({kv_cache.DECODE_SDPA_BACKENDS or 'any backend'})")
             for rows in args.rows:
                 for length in args.length:

@@ -23,7 +23,9 @@ two levels of blocks, or one scan per row, a GPU's default), `builtin-sample-apa
 step's sampling launched after its CUDA graph instead of recorded in it (as before 2026-12-07),
 `builtin-no-substitute` with a prefill shape not captured yet run eagerly rather than in a larger captured
 graph (as before 2026-12-07), `builtin-substitute-2x` with that substitute at most twice its tokens,
-`builtin-pow2-keys` with decode key positions padded to powers of two alone (as before 2026-12-07), `vllm` is
+`builtin-pow2-keys` with decode key positions padded to powers of two alone (as before 2026-12-07),
+`builtin-flash-decode` with decode attention through FlashAttention's varlen kernel over the cache in place
+(`kv_cache.DECODE_ATTENTION`), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -97,6 +99,8 @@ LAUNCHER_SETUPS = {
     "builtin-substitute-2x": (
         "from harness.server.cuda_graphs import StepGraphs; StepGraphs.max_substitute_padding = 2"
     ),
+    # decode steps attending through FlashAttention's varlen kernel over the cache in place
+    "builtin-flash-decode": "from harness.server import kv_cache; kv_cache.DECODE_ATTENTION = 'flash-varlen'",
     # decode key positions padded to powers of two alone
     "builtin-pow2-keys": (
         "from harness.server.cuda_graphs import StepGraphs; StepGraphs.key_buckets_by_half = False"

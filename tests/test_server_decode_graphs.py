@@ -440,3 +440,46 @@ def test_a_forward_that_cannot_be_captured_falls_back_to_eager_decoding(caplog):
     assert engine.graphs is not None and not engine.graphs.enabled
     assert "CUDA graph capture of the server's forward failed" in caplog.text
     assert_greedy_matches(build_tiny_qwen3().cuda(), output, atol=1e-3)
+
+
+def ragged_decode_logits(model: torch.nn.Module, *, capture: bool) -> torch.Tensor:
+    """Logits of three decode steps over rows of 3, 41 and 70 tokens prefilled into a fresh cache (the
+    rows' own lengths, padded to one key bucket), fixed tokens in each step."""
+    engine = make_engine(model, graphs="none")
+    graphs = StepGraphs(model, engine.cache, capture=capture)
+    engine.cache.reserve(4, 128)
+    lengths = [len(p) for p in PROMPTS]
+    steps = []
+    with torch.inference_mode():
+        graphs.prefill([0, 1, 2], PROMPTS, [0, 0, 0])
+        for step in range(3):
+            lengths = [n + 1 for n in lengths]
+            steps.append(graphs.decode([7 + step, 30 + step, 90 + step], lengths).float().clone())
+    return torch.stack(steps)
+
+
+def test_the_flash_decode_setting_runs_sdpa_off_a_gpu(monkeypatch):
+    from harness.server import kv_cache
+
+    model = build_tiny_qwen3()
+    reference = ragged_decode_logits(model, capture=False)
+    monkeypatch.setattr(kv_cache, "DECODE_ATTENTION", "flash-varlen")
+    assert ragged_decode_logits(model, capture=False).equal(reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capture", [False, True])
+def test_flash_varlen_decode_attends_as_sdpa_does(monkeypatch, capture):
+    # bf16, as FlashAttention needs: every (row, kv head) a sequence of its own length over the cache in
+    # place, against SDPA over the padded keys with the mask; eagerly and replayed from a captured graph.
+    from harness.server import kv_cache
+
+    model = build_tiny_qwen3(dtype=torch.bfloat16).cuda()
+    reference = ragged_decode_logits(model, capture=False)
+    calls = []
+    flash = kv_cache._flash_decode
+    monkeypatch.setattr(kv_cache, "_flash_decode", lambda *args: calls.append(1) or flash(*args))
+    monkeypatch.setattr(kv_cache, "DECODE_ATTENTION", "flash-varlen")
+    flashed = ragged_decode_logits(model, capture=capture)
+    assert calls  # the kernel ran (at capture, for a graph)
+    torch.testing.assert_close(flashed, reference, atol=3e-2, rtol=3e-2)

@@ -89,6 +89,8 @@ class ForwardBatch:
     lora_groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     write_row_N: torch.Tensor | None = None
     attn_bias: torch.Tensor = field(init=False)
+    # The varlen decode's index tensors (`_flash_decode`), made at the first layer that asks, once a forward.
+    flash_plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.write_row_N is None:
@@ -270,6 +272,12 @@ class RowKVCache:
         self._keys[layer][batch.write_row_N, :, batch.write_position_N] = keys_N
         self._values[layer][batch.write_row_N, :, batch.write_position_N] = values_N
 
+    def flat_rows(self, layer: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of rows 0..num_rows-1 as `[num_rows * kv_heads * allocated_length, 1, head_dim]`
+        views: each (row, kv head) a run of `allocated_length` positions, in storage order."""
+        flat = (num_rows * self.num_kv_heads * self.allocated_length, 1, self.head_dim)
+        return self._keys[layer][:num_rows].view(flat), self._values[layer][:num_rows].view(flat)
+
     def rows(self, layer: int, num_rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of rows 0..num_rows-1, positions 0..length-1: [num_rows, kv_heads, length, head_dim]."""
         return self._keys[layer][:num_rows, :, :length], self._values[layer][:num_rows, :, :length]
@@ -287,6 +295,12 @@ PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENT
 # Decode attention on a GPU: None leaves the choice to PyTorch; a list restricts it (benchmarks/
 # bench_decode_step.py --decode-attention compares them). Read when a decode step runs or is captured.
 DECODE_SDPA_BACKENDS: list[SDPBackend] | None = None
+# How a decode step attends on a GPU: "sdpa", scaled_dot_product_attention over the step's padded key
+# positions with the additive mask (the backends above); or "flash-varlen", FlashAttention's
+# variable-length kernel reading each row's keys in place up to the row's own length (`_flash_decode`: no
+# mask, no padded key read). Off a GPU, or for a dtype or head size FlashAttention lacks, "sdpa" runs. Not the
+# default until measured on a GPU (bench_decode_step.py --decode-attention flash-varlen).
+DECODE_ATTENTION: Literal["sdpa", "flash-varlen"] = "sdpa"
 
 
 def _sdpa_backends(
@@ -338,6 +352,8 @@ def row_cache_attention(
         return out.transpose(1, 2), None
     # Decode: one query per row. The query heads that share a key head become that head's "query positions",
     # so attention runs on the kv heads without materialising repeated keys.
+    if DECODE_ATTENTION == "flash-varlen" and _flash_decodes(query):
+        return _flash_decode(query, batch, layer, num_kv_heads, scaling), None
     num_rows, _, _, head_dim = query.shape
     keys, values = cache.rows(layer, num_rows, batch.kv_length)
     grouped_query = query.reshape(num_rows, num_kv_heads, group, head_dim)
@@ -346,6 +362,52 @@ def row_cache_attention(
             grouped_query, keys, values, attn_mask=batch.attn_bias, scale=scaling
         )
     return out.reshape(num_rows, num_heads, 1, head_dim).transpose(1, 2), None
+
+
+def _flash_decodes(query: torch.Tensor) -> bool:
+    """Whether FlashAttention's kernel takes this query: on a GPU, half precision, a head size it has."""
+    head_dim = query.shape[-1]
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
+
+
+def _flash_decode(
+    query: torch.Tensor, batch: ForwardBatch, layer: int, num_kv_heads: int, scaling: float | None
+) -> torch.Tensor:
+    """A decode step's attention as one variable-length FlashAttention call over the cache in place.
+
+    Each (row, kv head) is one sequence: its queries are the `group` query heads sharing that kv head, its
+    keys the row's run of `allocated_length` cache positions, of which the first `length` are used
+    (`seqused_k`), so no mask is built and no padding position is read. query: [rows, heads, 1, head_dim];
+    returns [rows, 1, heads, head_dim] as the SDPA path does.
+    """
+    num_rows, num_heads, _, head_dim = query.shape
+    group = num_heads // num_kv_heads
+    keys, values = batch.cache.flat_rows(layer, num_rows)
+    if batch.flash_plan is None:
+        sequences = torch.arange(num_rows * num_kv_heads + 1, dtype=torch.int32, device=query.device)
+        lengths = (batch.write_position_N + 1).to(torch.int32).repeat_interleave(num_kv_heads)
+        batch.flash_plan = (sequences * group, sequences * batch.cache.allocated_length, lengths)
+    cu_q, cu_k, used_k = batch.flash_plan
+    out = torch.ops.aten._flash_attention_forward(
+        query.reshape(num_rows * num_heads, 1, head_dim),
+        keys,
+        values,
+        cu_q,
+        cu_k,
+        group,
+        batch.kv_length,
+        0.0,
+        False,
+        False,
+        scale=scaling,
+        seqused_k=used_k,
+    )[0]
+    return out.view(num_rows, num_heads, 1, head_dim).transpose(1, 2)
 
 
 def register_attention() -> None:
