@@ -382,15 +382,16 @@ def _flash_decode(
 
     Each (row, kv head) is one sequence: its queries are the `group` query heads sharing that kv head, its
     keys the row's run of `allocated_length` cache positions, of which the first `length` are used
-    (`seqused_k`), so no mask is built and no padding position is read. query: [rows, heads, 1, head_dim];
-    returns [rows, 1, heads, head_dim] as the SDPA path does.
+    (`seqused_k`): the batch's mask goes unused and no padding position is read. query: [rows, heads, 1,
+    head_dim]; returns [rows, 1, heads, head_dim] as the SDPA path does.
     """
     num_rows, num_heads, _, head_dim = query.shape
     group = num_heads // num_kv_heads
     keys, values = batch.cache.flat_rows(layer, num_rows)
     if batch.flash_plan is None:
         sequences = torch.arange(num_rows * num_kv_heads + 1, dtype=torch.int32, device=query.device)
-        lengths = (batch.write_position_N + 1).to(torch.int32).repeat_interleave(num_kv_heads)
+        lengths_R = (batch.write_position_N + 1).to(torch.int32)
+        lengths = lengths_R[:, None].expand(num_rows, num_kv_heads).reshape(-1)  # no host sync in a capture
         batch.flash_plan = (sequences * group, sequences * batch.cache.allocated_length, lengths)
     cu_q, cu_k, used_k = batch.flash_plan
     out = torch.ops.aten._flash_attention_forward(
