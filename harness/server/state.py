@@ -200,18 +200,24 @@ class ServerState:
             ),
         )
         if compiled:
-            what, flag, field = (
-                ("decoder layers", "no --compile-layers", "ServerConfig.compile_layers=False")
+            what, remedy = (
+                (
+                    "decoder layers",
+                    "without --compile-layers (ServerConfig.compile_layers=False) to compile their norms "
+                    "and MLPs alone",
+                )
                 if whole_layers
-                else ("norms and MLPs", "--no-compile-blocks", "ServerConfig.compile_blocks=False")
+                else (
+                    "norms and MLPs",
+                    "with --no-compile-blocks (ServerConfig.compile_blocks=False) to run them eagerly",
+                )
             )
             try:
                 seconds = engine.warm_up()
             except Exception as exc:
                 engine.close()
                 raise RuntimeError(
-                    f"compiling the model's {what} failed in the engine's warm-up ({exc!r}); serve "
-                    f"with {flag} ({field}) to run them eagerly"
+                    f"compiling the model's {what} failed in the engine's warm-up ({exc!r}); serve {remedy}"
                 ) from exc
             logger.info("compiled %d %s in a warm-up of %.1f s", len(compiled), what, seconds)
         engine.start()
