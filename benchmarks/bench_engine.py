@@ -225,10 +225,11 @@ def timed_window(
         for values in timers.values():
             values.clear()
     steps.append(state.engine.stats().num_decode_steps)
-    if profile is not None and start:
-        profile.start()
-    elif profile is not None:
-        profile.stop()
+    if profile is not None:
+        if start:
+            profile.start()
+        else:
+            profile.stop()
 
 
 def run_http(model: Any, args: argparse.Namespace) -> None:
