@@ -442,19 +442,20 @@ def test_a_forward_that_cannot_be_captured_falls_back_to_eager_decoding(caplog):
     assert_greedy_matches(build_tiny_qwen3().cuda(), output, atol=1e-3)
 
 
-def ragged_decode_logits(model: torch.nn.Module, *, capture: bool) -> torch.Tensor:
-    """Logits of three decode steps over rows of 3, 41 and 70 tokens prefilled into a fresh cache (the
-    rows' own lengths, padded to one key bucket), fixed tokens in each step."""
+def ragged_decode_logits(model: torch.nn.Module, *, capture: bool, rows: int = 3) -> torch.Tensor:
+    """Logits of three decode steps over the first `rows` of rows of 3, 41 and 70 tokens prefilled into a
+    fresh cache (the rows' own lengths, padded to one key bucket), fixed tokens in each step."""
     engine = make_engine(model, graphs="none")
     graphs = StepGraphs(model, engine.cache, capture=capture)
     engine.cache.reserve(4, 128)
-    lengths = [len(p) for p in PROMPTS]
+    prompts = PROMPTS[:rows]
+    lengths = [len(p) for p in prompts]
     steps = []
     with torch.inference_mode():
-        graphs.prefill([0, 1, 2], PROMPTS, [0, 0, 0])
+        graphs.prefill(list(range(rows)), prompts, [0] * rows)
         for step in range(3):
             lengths = [n + 1 for n in lengths]
-            steps.append(graphs.decode([7 + step, 30 + step, 90 + step], lengths).float().clone())
+            steps.append(graphs.decode([7 + step, 30 + step, 90 + step][:rows], lengths).float().clone())
     return torch.stack(steps)
 
 
@@ -468,18 +469,20 @@ def test_the_flash_decode_setting_runs_sdpa_off_a_gpu(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("capture", [False, True])
-def test_flash_varlen_decode_attends_as_sdpa_does(monkeypatch, capture):
+def test_flash_varlen_decode_attends_as_sdpa_does(monkeypatch, capture, rows):
     # bf16, as FlashAttention needs: every (row, kv head) a sequence of its own length over the cache in
     # place, against SDPA over the padded keys with the mask; eagerly and replayed from a captured graph.
+    # One row is the case where the lengths spread over the kv heads are a stride-0 view unless copied.
     from harness.server import kv_cache
 
     model = build_tiny_qwen3(dtype=torch.bfloat16).cuda()
-    reference = ragged_decode_logits(model, capture=False)
+    reference = ragged_decode_logits(model, capture=False, rows=rows)
     calls = []
     flash = kv_cache._flash_decode
     monkeypatch.setattr(kv_cache, "_flash_decode", lambda *args: calls.append(1) or flash(*args))
     monkeypatch.setattr(kv_cache, "DECODE_ATTENTION", "flash-varlen")
-    flashed = ragged_decode_logits(model, capture=capture)
+    flashed = ragged_decode_logits(model, capture=capture, rows=rows)
     assert calls  # the kernel ran (at capture, for a graph)
     torch.testing.assert_close(flashed, reference, atol=3e-2, rtol=3e-2)

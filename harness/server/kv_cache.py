@@ -391,7 +391,9 @@ def _flash_decode(
     if batch.flash_plan is None:
         sequences = torch.arange(num_rows * num_kv_heads + 1, dtype=torch.int32, device=query.device)
         lengths_R = (batch.write_position_N + 1).to(torch.int32)
-        lengths = lengths_R[:, None].expand(num_rows, num_kv_heads).reshape(-1)  # no host sync in a capture
+        # expand (no host sync inside a capture), then a copy: one row's expansion flattens to a stride-0
+        # view, and the kernel wants its lengths contiguous
+        lengths = lengths_R[:, None].expand(num_rows, num_kv_heads).reshape(-1).contiguous()
         batch.flash_plan = (sequences * group, sequences * batch.cache.allocated_length, lengths)
     cu_q, cu_k, used_k = batch.flash_plan
     out = torch.ops.aten._flash_attention_forward(
