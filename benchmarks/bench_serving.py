@@ -31,15 +31,16 @@ beside it would leave room), when this interpreter can import vllm (on the H200:
 shared/gpu/vllm-on-h200.md).
 Load: for each concurrency C, `--client-processes` processes keep C requests in flight between them, each
 request ~`--prompt-len` random tokens in, exactly `--max-tokens` out (ignore_eos), temperature 1, its own
-seed, logprobs=1 (the sampled token's processed log-prob and the top-1, as the rollout worker asks): one
-wave of C requests first (warm-up: kernels, CUDA graph captures, connections; reported as `first_wave_s`),
-then `--waves` waves timed. Reported: generated tokens/s over the timed waves (all processes' tokens over
-the wall time from the first send to the last reply), requests/s, p50/p95 request latency, the client
-processes' CPU seconds per second of wall time (near 1.0 per process would mean a client is the limit),
-and their CPU milliseconds per request. Several processes (8 by default), each with its own event loop, so
-one Python client is not what is measured: when a wave ends, each process parses its share of the answers
-one by one before its last request goes out again, so its share times the ms per request is what the
-client adds to a wave's turnover (at 64 in flight, 8 requests a process).
+seed, logprobs=1 (the sampled token's processed log-prob and the top-1, as the rollout worker asks):
+`--warmup-waves` waves of C requests first (1; warm-up: kernels, CUDA graph captures, connections;
+reported together as `first_wave_s`), then `--waves` waves timed. Reported: generated tokens/s over the
+timed waves (all processes' tokens over the wall time from the first send to the last reply), requests/s,
+p50/p95 request latency, the client processes' CPU seconds per second of wall time (near 1.0 per process
+would mean a client is the limit), and their CPU milliseconds per request. Several processes (8 by
+default), each with its own event loop, so one Python client is not what is measured: when a wave ends,
+each process parses its share of the answers one by one before its last request goes out again, so its
+share times the ms per request is what the client adds to a wave's turnover (at 64 in flight, 8 requests
+a process).
 For the built-in server, a second table splits its engine thread's time over the timed waves (the
 harness:engine_* counters of /metrics): prefill forwards, decode steps, idle, with how often each ran and
 how each prefill's forward ran (replayed from a CUDA graph, captured, or eager) and how many were launched
@@ -192,21 +193,29 @@ async def _drive(
 def _client_process(
     url: str,
     waves: list[list[list[int]]],
+    warmup_waves: int,
     concurrency: int,
     max_tokens: int,
     seed: int,
     barrier: Any,
     results: Any,
 ) -> None:
-    """One client process: the warm-up wave, then (after every process is ready) the timed waves.
+    """One client process: the warm-up waves, then (after every process is ready) the timed waves.
 
     A failure breaks the barrier and is reported, so the benchmark stops at once instead of waiting."""
     try:
-        asyncio.run(_drive(url, waves[0], concurrency, max_tokens, seed))
+        for index, wave in enumerate(waves[:warmup_waves]):
+            asyncio.run(_drive(url, wave, concurrency, max_tokens, seed + 1_000 * index))
         barrier.wait()
         cpu_start, start = time.process_time(), time.time()
         tokens, latencies = asyncio.run(
-            _drive(url, [p for wave in waves[1:] for p in wave], concurrency, max_tokens, seed + 10_000)
+            _drive(
+                url,
+                [p for wave in waves[warmup_waves:] for p in wave],
+                concurrency,
+                max_tokens,
+                seed + 10_000 * warmup_waves,
+            )
         )
     except BaseException as exc:
         barrier.abort()
@@ -241,11 +250,12 @@ def measure(
     for index in range(num_processes):
         share = concurrency // num_processes + (index < concurrency % num_processes)
         waves = [
-            make_prompts(share, args.prompt_len, seed=1000 * index + wave) for wave in range(1 + args.waves)
+            make_prompts(share, args.prompt_len, seed=1000 * index + wave)
+            for wave in range(args.warmup_waves + args.waves)
         ]
         process = context.Process(
             target=_client_process,
-            args=(url, waves, share, args.max_tokens, 100_000 * index, barrier, results),
+            args=(url, waves, args.warmup_waves, share, args.max_tokens, 100_000 * index, barrier, results),
         )
         process.start()
         processes.append(process)
@@ -401,6 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128, help="mean prompt length in tokens")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--waves", type=int, default=2, help="timed waves of C requests per level")
+    parser.add_argument(
+        "--warmup-waves",
+        type=int,
+        default=1,
+        help="untimed waves of C requests before them: more of them leave fewer new prefill shapes, whose "
+        "CUDA graphs the built-in server captures lazily, to the timed waves (a long run's steady state)",
+    )
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument(
@@ -464,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "waves": args.waves,
+        "warmup_waves": args.warmup_waves,
         "client_processes": args.client_processes,
     }
     print(f"\n{meta}\n")
