@@ -432,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         "Python stacks, collapsed, to DIR/KIND.txt: where the engine thread and the event loop spend the run",
     )
     args = parser.parse_args(argv)
+    if args.waves < 1 or args.warmup_waves < 0:
+        parser.error(
+            f"--waves must be at least 1 and --warmup-waves at least 0 "
+            f"(given {args.waves} and {args.warmup_waves})"
+        )
     try:  # the client processes need it: say so now, not after the first server has started
         import openai  # noqa: F401
     except ImportError as exc:
