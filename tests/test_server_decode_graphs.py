@@ -459,6 +459,21 @@ def ragged_decode_logits(model: torch.nn.Module, *, capture: bool, rows: int = 3
     return torch.stack(steps)
 
 
+def test_a_forward_batch_makes_its_additive_mask_only_when_a_layer_asks():
+    # FlashAttention's decode reads no mask, so a step that takes it must not pay for making one.
+    from harness.server.kv_cache import ForwardBatch
+
+    cache = make_engine(build_tiny_qwen3(), graphs="none").cache
+    allowed = torch.tensor([[True, False, True], [False, False, True]])[:, None, None, :]
+    index = torch.arange(2)
+    batch = ForwardBatch("decode", cache, index, index, index, index, allowed, kv_length=3)
+    assert batch._attn_bias is None
+    bias = batch.attn_bias
+    assert bias.dtype == cache.dtype
+    assert bias.eq(0).equal(allowed) and bias[~allowed].eq(float("-inf")).all()
+    assert batch.attn_bias is bias  # made once a forward, whichever layers ask
+
+
 def test_the_flash_decode_setting_runs_sdpa_off_a_gpu(monkeypatch):
     from harness.server import kv_cache
 
@@ -481,8 +496,11 @@ def test_flash_varlen_decode_attends_as_sdpa_does(monkeypatch, capture, rows):
     reference = ragged_decode_logits(model, capture=False, rows=rows)
     calls = []
     flash = kv_cache._flash_decode
-    monkeypatch.setattr(kv_cache, "_flash_decode", lambda *args: calls.append(1) or flash(*args))
+    # Each call notes whether its batch had made the additive mask it does not read.
+    monkeypatch.setattr(
+        kv_cache, "_flash_decode", lambda *args: calls.append(args[1]._attn_bias is None) or flash(*args)
+    )
     monkeypatch.setattr(kv_cache, "DECODE_ATTENTION", "flash-varlen")
     flashed = ragged_decode_logits(model, capture=capture, rows=rows)
-    assert calls  # the kernel ran (at capture, for a graph)
+    assert calls and all(calls)  # the kernel ran (at capture, for a graph), and no mask was made
     torch.testing.assert_close(flashed, reference, atol=3e-2, rtol=3e-2)

@@ -71,8 +71,9 @@ class ForwardBatch:
         write_row_N: The cache row of each written token when it is not its batch entry's row (padding
             tokens of a padded batch go to the cache's scratch row); None: `rows_B[write_batch_N]`, filled
             in at construction.
-        attn_bias: `attn_mask` as the additive mask (0 or -inf, the cache's dtype) every layer's attention
-            takes, made once per forward (a boolean mask would be converted by each layer's attention
+        attn_bias: `attn_mask` as the additive mask (0 or -inf, the cache's dtype) every layer's SDPA
+            takes, made once per forward, by the first layer that asks (FlashAttention's decode never
+            does: `DECODE_ATTENTION`) (a boolean mask would be converted by each layer's attention
             call: two kernels a layer, which in a decode step bound by its number of kernels is time; on
             an H100, 64 rows of a 0.6B model: 918 -> 834 kernels, 3.95 -> 3.79 ms a step, after the
             decode write without gathers had taken it from 999 and 4.23 ms).
@@ -88,17 +89,22 @@ class ForwardBatch:
     kv_length: int = 0
     lora_groups: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
     write_row_N: torch.Tensor | None = None
-    attn_bias: torch.Tensor = field(init=False)
+    _attn_bias: torch.Tensor | None = field(default=None, init=False, repr=False)
     # The varlen decode's index tensors (`_flash_decode`), made at the first layer that asks, once a forward.
     flash_plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.write_row_N is None:
             self.write_row_N = self.rows_B[self.write_batch_N]
-        bias = torch.full(
-            self.attn_mask.shape, float("-inf"), dtype=self.cache.dtype, device=self.attn_mask.device
-        )
-        self.attn_bias = bias.masked_fill_(self.attn_mask, 0.0)
+
+    @property
+    def attn_bias(self) -> torch.Tensor:
+        if self._attn_bias is None:
+            bias = torch.full(
+                self.attn_mask.shape, float("-inf"), dtype=self.cache.dtype, device=self.attn_mask.device
+            )
+            self._attn_bias = bias.masked_fill_(self.attn_mask, 0.0)
+        return self._attn_bias
 
 
 _current_batch: ContextVar[ForwardBatch | None] = ContextVar("harness_forward_batch", default=None)
@@ -298,8 +304,9 @@ DECODE_SDPA_BACKENDS: list[SDPBackend] | None = None
 # How a decode step attends on a GPU: "sdpa", scaled_dot_product_attention over the step's padded key
 # positions with the additive mask (the backends above); or "flash-varlen", FlashAttention's
 # variable-length kernel reading each row's keys in place up to the row's own length (`_flash_decode`: no
-# mask, no padded key read). Off a GPU, or for a dtype or head size FlashAttention lacks, "sdpa" runs. Not the
-# default until measured on a GPU (bench_decode_step.py --decode-attention flash-varlen).
+# mask made or read, no padded key read). Off a GPU, or for a dtype or head size FlashAttention lacks,
+# "sdpa" runs. Not the default: in one H100 run it was 2-3% faster a step, within the spread between runs
+# (README, "Generation servers"; bench kind builtin-flash-decode, bench_decode_step.py --decode-attention).
 DECODE_ATTENTION: Literal["sdpa", "flash-varlen"] = "sdpa"
 
 
@@ -382,8 +389,8 @@ def _flash_decode(
 
     Each (row, kv head) is one sequence: its queries are the `group` query heads sharing that kv head, its
     keys the row's run of `allocated_length` cache positions, of which the first `length` are used
-    (`seqused_k`): the batch's mask goes unused and no padding position is read. query: [rows, heads, 1,
-    head_dim]; returns [rows, 1, heads, head_dim] as the SDPA path does.
+    (`seqused_k`): the batch's additive mask is never made and no padding position is read. query: [rows,
+    heads, 1, head_dim]; returns [rows, 1, heads, head_dim] as the SDPA path does.
     """
     num_rows, num_heads, _, head_dim = query.shape
     group = num_heads // num_kv_heads
