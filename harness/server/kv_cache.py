@@ -305,7 +305,7 @@ DECODE_SDPA_BACKENDS: list[SDPBackend] | None = None
 # positions with the additive mask (the backends above); or "flash-varlen", FlashAttention's
 # variable-length kernel reading each row's keys in place up to the row's own length (`_flash_decode`: no
 # mask made or read, no padded key read). Off a GPU, or for a dtype or head size FlashAttention lacks,
-# "sdpa" runs. Not the default: in one H100 run it was 2-3% faster a step, within the spread between runs
+# "sdpa" runs. Not the default: in one H100 run its steps were 1.5-3.4% shorter, less than runs differ
 # (README, "Generation servers"; bench kind builtin-flash-decode, bench_decode_step.py --decode-attention).
 DECODE_ATTENTION: Literal["sdpa", "flash-varlen"] = "sdpa"
 
