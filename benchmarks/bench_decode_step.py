@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_engine import build_model, run_wave
+from bench_engine import build_model, compile_as_asked, run_wave
 
 from harness.server import kv_cache
 from harness.server.cuda_graphs import StepGraphs
@@ -126,14 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if not all(1 <= length <= 256 for length in args.length):
         parser.error("--length must be in [1, 256]: the warm-up wave sizes the cache to 256 positions")
     model = build_model(args.preset, args.device)
-    if args.compile_layers:
-        from harness.compiled_blocks import compile_layers
-
-        compile_layers(model)
-    elif args.compile_blocks:
-        from harness.compiled_blocks import compile_blocks
-
-        compile_blocks(model)
+    compiled = compile_as_asked(model, args)
     engine = Engine(
         model, max_model_len=4096, eos_token_ids=[], max_num_seqs=max(args.rows), kv_cache_tokens=256 * 1024
     )
@@ -142,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[random.randint(10, 30_000) for _ in range(128)] for _ in range(max(args.rows))]
         run_wave(engine, prompts, 128)
         engine.pause().result()
-        compiled = "whole layers" if args.compile_layers else "norms and MLPs" if args.compile_blocks else ""
         print(f"{args.preset} on {args.device}, {compiled + ' compiled' if compiled else 'eager'}")
         server_choice = kv_cache.DECODE_SDPA_BACKENDS
         for choice in args.decode_attention:

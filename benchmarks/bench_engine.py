@@ -77,6 +77,20 @@ def build_model(preset: str, device: str) -> Any:
         return Qwen3ForCausalLM(config).to(dtype).eval()
 
 
+def compile_as_asked(model: Any, args: argparse.Namespace) -> str:
+    """Compile `model` in place as `--compile-layers` or `--compile-blocks` asks (harness/compiled_blocks.py);
+    what was compiled, in words ("" for nothing)."""
+    from harness.compiled_blocks import compile_blocks, compile_layers
+
+    if args.compile_layers:
+        compile_layers(model)
+        return "whole layers"
+    if args.compile_blocks:
+        compile_blocks(model)
+        return "norms and MLPs"
+    return ""
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -320,14 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and not args.device.startswith("cuda"):
         parser.error("--profile reports GPU kernels: it needs --device cuda")
     model = build_model(args.preset, args.device)
-    if args.compile_layers:
-        from harness.compiled_blocks import compile_layers
-
-        compile_layers(model)
-    elif args.compile_blocks:
-        from harness.compiled_blocks import compile_blocks
-
-        compile_blocks(model)
+    compile_as_asked(model, args)
     if args.http:
         run_http(model, args)
         return 0

@@ -204,19 +204,12 @@ def _client_process(
 
     A failure breaks the barrier and is reported, so the benchmark stops at once instead of waiting."""
     try:
-        for index, wave in enumerate(waves[:warmup_waves]):
-            asyncio.run(_drive(url, wave, concurrency, max_tokens, seed + 1_000 * index))
+        warmup = [p for wave in waves[:warmup_waves] for p in wave]
+        asyncio.run(_drive(url, warmup, concurrency, max_tokens, seed))
         barrier.wait()
         cpu_start, start = time.process_time(), time.time()
-        tokens, latencies = asyncio.run(
-            _drive(
-                url,
-                [p for wave in waves[warmup_waves:] for p in wave],
-                concurrency,
-                max_tokens,
-                seed + 10_000 * warmup_waves,
-            )
-        )
+        timed = [p for wave in waves[warmup_waves:] for p in wave]
+        tokens, latencies = asyncio.run(_drive(url, timed, concurrency, max_tokens, seed + len(warmup)))
     except BaseException as exc:
         barrier.abort()
         results.put({"error": f"{type(exc).__name__}: {exc}"})

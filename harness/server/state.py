@@ -200,18 +200,15 @@ class ServerState:
             ),
         )
         if compiled:
-            what, remedy = (
-                (
-                    "decoder layers",
+            if whole_layers:
+                what = "decoder layers"
+                remedy = (
                     "without --compile-layers (ServerConfig.compile_layers=False) to compile their norms "
-                    "and MLPs alone",
+                    "and MLPs alone"
                 )
-                if whole_layers
-                else (
-                    "norms and MLPs",
-                    "with --no-compile-blocks (ServerConfig.compile_blocks=False) to run them eagerly",
-                )
-            )
+            else:
+                what = "norms and MLPs"
+                remedy = "with --no-compile-blocks (ServerConfig.compile_blocks=False) to run them eagerly"
             try:
                 seconds = engine.warm_up()
             except Exception as exc:
