@@ -23,9 +23,10 @@ CPU with.
 
 `--http` serves the engine instead through the built-in HTTP server on a thread of this process
 (`EmbeddedServer`, as tests do) and loads it with bench_serving.py's client processes (4, each request its
-own seed, logprobs=1; a warm-up wave, then 4 timed waves); the step parts are then counted without device
-synchronisation (which would slow the server), so their times are host times. Comparing the two shows what
-serving over HTTP changes: how many prefills the staggered arrivals cause, and what they cost.
+own seed, logprobs=1; `--warmup-waves` untimed waves, 1 by default, then 4 timed waves); the step parts
+are then counted without device synchronisation (which would slow the server), so their times are host
+times. Comparing the two shows what serving over HTTP changes: how many prefills the staggered arrivals
+cause, and what they cost.
 `--compile-blocks` compiles the model's norms and MLPs first (harness/compiled_blocks.py; the server does by
 default on a GPU, this benchmark only with the flag, in both modes);
 `--scheduler-delay-factor F` gives the HTTP mode's engine that admission delay; `--no-sample-in-graph`
@@ -270,7 +271,11 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
     for name in ("_prefill", "_decode", "_decode_ahead", "_collect", "_step"):
         timed(state.engine, name, timers, torch.device("cpu"))  # host times: no device synchronisation
     load = argparse.Namespace(
-        client_processes=4, prompt_len=args.prompt_len, max_tokens=args.max_tokens, waves=4
+        client_processes=4,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        waves=4,
+        warmup_waves=args.warmup_waves,
     )
     with EmbeddedServer(state) as server:
         for concurrency in args.concurrency:
@@ -290,8 +295,8 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
                 f"HTTP eager={args.eager} ahead={args.async_scheduling} delay={args.scheduler_delay_factor} "
                 f"C={concurrency}: "
                 f"{row['tokens_per_s']:.0f} tok/s over "
-                f"{row['wall_s']:.1f} s (first wave {row['first_wave_s']:.1f} s); (calls, mean ms, total s) "
-                f"since the warm-up wave: {parts}",
+                f"{row['wall_s']:.1f} s (warm-up waves {row['first_wave_s']:.1f} s); "
+                f"(calls, mean ms, total s) since the warm-up waves: {parts}",
                 flush=True,
             )
     model.set_attn_implementation("sdpa")
@@ -320,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         "--scheduler-delay-factor", type=float, default=0.0, help="the engine's (with --http)"
     )
     parser.add_argument(
+        "--warmup-waves",
+        type=int,
+        default=1,
+        help="with --http: untimed waves before the 4 timed ones (bench_serving.py's flag of that name)",
+    )
+    parser.add_argument(
         "--sample-in-graph",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -333,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.profile and not args.device.startswith("cuda"):
         parser.error("--profile reports GPU kernels: it needs --device cuda")
+    if args.warmup_waves < 0:
+        parser.error(f"--warmup-waves must be 0 or more (given {args.warmup_waves})")
     model = build_model(args.preset, args.device)
     compile_as_asked(model, args)
     if args.http:
