@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_engine import build_model, compile_as_asked, run_wave
+from bench_engine import add_fuse_flag, build_model, compile_as_asked, run_wave
 
 from harness.server import kv_cache
 from harness.server.cuda_graphs import StepGraphs
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-layers", action="store_true", help="compile whole decoder layers but their attention first"
     )
+    add_fuse_flag(parser)
     parser.add_argument(
         "--decode-attention",
         nargs="+",
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[random.randint(10, 30_000) for _ in range(128)] for _ in range(max(args.rows))]
         run_wave(engine, prompts, 128)
         engine.pause().result()
-        print(f"{args.preset} on {args.device}, {compiled + ' compiled' if compiled else 'eager'}")
+        print(f"{args.preset} on {args.device}, {compiled or 'eager'}")
         server_choice = kv_cache.DECODE_SDPA_BACKENDS
         for choice in args.decode_attention:
             chosen = server_choice if choice == "server" else ATTENTION_BACKENDS[choice]

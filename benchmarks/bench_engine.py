@@ -79,17 +79,33 @@ def build_model(preset: str, device: str) -> Any:
 
 
 def compile_as_asked(model: Any, args: argparse.Namespace) -> str:
-    """Compile `model` in place as `--compile-layers` or `--compile-blocks` asks (harness/compiled_blocks.py);
-    what was compiled, in words ("" for nothing)."""
+    """Fuse `model`'s projections as `--fuse-projections` asks (harness/server/fused_projections.py), then
+    compile it in place as `--compile-layers` or `--compile-blocks` asks (harness/compiled_blocks.py); what
+    was done, in words ("" for nothing)."""
     from harness.compiled_blocks import compile_blocks, compile_layers
+    from harness.server.fused_projections import fuse_projections
 
+    done = []
+    if args.fuse_projections:
+        fuse_projections(model)
+        done.append("projections fused")
     if args.compile_layers:
         compile_layers(model)
-        return "whole layers"
-    if args.compile_blocks:
+        done.append("whole layers compiled")
+    elif args.compile_blocks:
         compile_blocks(model)
-        return "norms and MLPs"
-    return ""
+        done.append("norms and MLPs compiled")
+    return ", ".join(done)
+
+
+def add_fuse_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fuse-projections",
+        action=argparse.BooleanOptionalAction,
+        default=torch.cuda.is_available(),
+        help="fuse each attention's q/k/v and each MLP's gate/up projections first, as the server does on "
+        "a GPU (default: on where CUDA is)",
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -261,6 +277,7 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
         kv_cache_tokens=256 * 1024,  # as run() gives the engine alone
         enforce_eager=args.eager,
         compile_blocks=False,  # main() compiled them already if --compile-blocks
+        fuse_projections=False,  # and fused the projections if --fuse-projections
         scheduler_delay_factor=args.scheduler_delay_factor,
         async_scheduling=args.async_scheduling,
     )
@@ -321,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile-layers", action="store_true", help="compile whole decoder layers but their attention first"
     )
+    add_fuse_flag(parser)
     parser.add_argument(
         "--scheduler-delay-factor", type=float, default=0.0, help="the engine's (with --http)"
     )

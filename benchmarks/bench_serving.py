@@ -11,6 +11,7 @@ Servers: `builtin` is `python -m harness.server` (on a GPU: norms and MLPs compi
 from CUDA graphs, each step launched before the previous is read, new requests admitted at every step),
 `builtin-sync` the same with --no-async-scheduling, `builtin-uncompiled` with --no-compile-blocks,
 `builtin-layers` with --compile-layers (whole decoder layers compiled but their attention),
+`builtin-unfused` with --no-fuse-projections (q/k/v and gate/up multiplied apart, as before 2026-12-07),
 `builtin-eager` with --enforce-eager (neither), `builtin-delay` with `--scheduler-delay-factor` (this
 script's flag of that name, default 1: requests arriving while rows decode wait to share a prefill),
 `builtin-nodelay` with a factor of 0 (the default since the session of 2026-12-06, so the same as
@@ -117,6 +118,7 @@ def server_argv(kind: str, model_dir: str, args: argparse.Namespace) -> list[str
         "builtin-sync": ["--no-async-scheduling"],
         "builtin-uncompiled": ["--no-compile-blocks"],
         "builtin-layers": ["--compile-layers"],
+        "builtin-unfused": ["--no-fuse-projections"],
         "builtin-eager": ["--enforce-eager"],
         "builtin-delay": ["--scheduler-delay-factor", str(args.scheduler_delay_factor)],
         "builtin-nodelay": ["--scheduler-delay-factor", "0"],

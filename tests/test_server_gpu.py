@@ -14,6 +14,7 @@ from harness.generation.client import GenerationClient
 from harness.generation.client_thread import ClientThread
 from harness.generation.protocol import Completion, SamplingConfig
 from harness.server.app import EmbeddedServer
+from harness.server.fused_projections import ProjectionSlice
 from harness.server.state import ServerConfig, ServerState
 from harness.testing import build_tiny_qwen3
 from harness.weight_sync.strategies import MergedWeightSync
@@ -53,8 +54,10 @@ def assert_matches(model: torch.nn.Module, prompt: list[int], completion: Comple
 
 
 def test_cuda_server_matches_a_direct_forward():
+    # On a GPU the server fuses q/k/v and gate/up by default (fused_projections.py): its graphs replay those.
     reference = build_tiny_qwen3().to("cuda")
     with serve_tiny("cuda") as server:
+        assert isinstance(server.state.model.model.layers[0].self_attn.q_proj, ProjectionSlice)
         for prompt, completion in zip(PROMPTS, greedy(server.base_url, PROMPTS), strict=True):
             assert_matches(reference, prompt, completion, atol=1e-3)
 

@@ -80,6 +80,13 @@ def _configure_parser(parser: argparse.ArgumentParser) -> None:
         "residuals, MLP), instead of its norms and MLPs alone; not with --enable-lora",
     )
     parser.add_argument(
+        "--fuse-projections",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="multiply by each attention's q/k/v weights, and each MLP's gate/up weights, at once (default: "
+        "on a GPU; never with --enable-lora)",
+    )
+    parser.add_argument(
         "--scheduler-delay-factor",
         type=float,
         default=None,
@@ -166,6 +173,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             compile_blocks=args.compile_blocks,
             compile_layers=args.compile_layers,
+            fuse_projections=args.fuse_projections,
             scheduler_delay_factor=args.scheduler_delay_factor,
             async_scheduling=args.async_scheduling,
             max_logprobs=args.max_logprobs,

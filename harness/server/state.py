@@ -65,6 +65,10 @@ class ServerConfig:
     """Compile each decoder layer whole but its attention (`compiled_blocks.compile_layers`: the rotary
     embedding and residual adds fused too), in place of compile_blocks' norms and MLPs; with enable_lora
     (adapter hooks on the projections) the server compiles blocks as compile_blocks says instead."""
+    fuse_projections: bool | None = None
+    """Multiply by each attention's q, k and v weights at once, and by each MLP's gate and up weights at once
+    (`harness/server/fused_projections.py`: the parameters become views of one tensor per group); None: on
+    a GPU. Never with enable_lora, whose adapters hook the separate projections."""
     scheduler_delay_factor: float | None = None
     """While rows decode, admit waiting requests once the oldest has waited this many times a recent
     prefill's duration, so requests arriving one by one share a prefill (vLLM V0's knob); 0 or None (the
@@ -182,6 +186,9 @@ class ServerState:
         kv_cache_tokens = config.kv_cache_tokens or default_kv_cache_tokens(
             model, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
         )
+        fused = _fuse(model, config)
+        if fused:
+            logger.info("fused the q/k/v or gate/up projections of %d modules", len(fused))
         compiled, whole_layers = _compile(model, config)
         engine = Engine(
             model,
@@ -259,6 +266,21 @@ class ServerState:
         group, self.transfer_group = self.transfer_group, None
         if group is not None:
             group.close()
+
+
+def _fuse(model: PreTrainedModel, config: ServerConfig) -> list[str]:
+    """Fuse the projections as the config asks (`harness/server/fused_projections.py`); the names fused."""
+    from harness.server.fused_projections import fuse_projections
+
+    wanted = config.fuse_projections
+    if wanted is None:
+        wanted = model.device.type == "cuda" and not config.enable_lora
+    elif wanted and config.enable_lora:
+        logger.warning(
+            "--fuse-projections with --enable-lora: adapters hook the separate projections, so none is fused"
+        )
+        wanted = False
+    return fuse_projections(model) if wanted else []
 
 
 def _compile(model: PreTrainedModel, config: ServerConfig) -> tuple[list[str], bool]:
