@@ -33,16 +33,17 @@ eager prefill does) and pads the batch with empty requests; every padding token 
 scratch row. Padding logits are dropped. The logits of every graph are copied into one persistent buffer,
 so all graphs share one memory pool for the rest.
 
-When a shape is captured: a decode shape at its first use (the same shape then serves step after step),
-a prefill shape at its `PREFILL_CAPTURE_AT_USE`-th, eagerly before that. Prefill shapes are many (requests
-x new tokens x key positions buckets) and a capture costs a warm-up forward, the recorded forward and the
-graph's instantiation, more than the eager prefill it replaces: on an H200 (0.6B, requests arriving one by
-one over HTTP, 64 in flight) the server's prefills of a warm-up and four timed waves averaged 165 ms when
-every new shape was captured at once, where one eager prefill of 64 prompts took 59 ms. A shape that recurs
-pays back its capture; uses are counted across cache reallocations, so a dropped shape that recurred is
-captured again at once. Until a prefill shape is captured, its chunk runs in the cheapest captured prefill
-graph that holds it (as many requests, new tokens and key positions or more), padded further, if there is
-one: an eager prefill's host time is that of ~1,500 kernel launches, a replay's a few padded tokens.
+When a shape is captured: a decode shape at its first use (the same shape then serves step after step), a
+prefill shape at its `PREFILL_CAPTURE_AT_USE`-th, eagerly before that. Prefill shapes are many (requests x new
+tokens x key positions buckets) and a capture costs a warm-up forward (whose results serve: no replay
+follows), the recorded forward and the graph's instantiation, more than the eager prefill it replaces: on an
+H200 (0.6B, requests arriving one by one over HTTP, 64 in flight) the server's prefills of a warm-up and four
+timed waves averaged 165 ms when every new shape was captured at once, where one eager prefill of 64 prompts
+took 59 ms. A shape that recurs pays back its capture; uses are counted across cache reallocations, so a
+dropped shape that recurred is captured again at once. Until a prefill shape is captured, its chunk runs in
+the cheapest captured prefill graph that holds it (as many requests, new tokens and key positions or more),
+padded further, if there is one: an eager prefill's host time is that of ~1,500 kernel launches, a replay's a
+few padded tokens.
 
 What invalidates a graph: it reads the cache's storage and the model's parameters by address. Weight
 updates copy into the parameters in place (`weight_sync/wire.py`), so graphs survive them; a cache that
@@ -412,11 +413,12 @@ class StepGraphs:
         self._graphs[key] = graph.replay
         self.num_captures += 1
         self.last_run = "captured"
-        graph.replay()
+        # No replay now: the capture's warm-up ran this forward on these inputs, and wrote what a replay
+        # would write again (the keys, the logits, a sampled step's tokens): that is one forward less.
 
     def _capture(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (lazy initialisation, workspace allocation) as capture requires. The
-        # warm-up runs the real forward on the real inputs: it writes the keys the replay writes again.
+        # warm-up runs the real forward on the real inputs, so its results are this forward's (`_replay`).
         device = self.model.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
