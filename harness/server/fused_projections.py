@@ -10,7 +10,10 @@ pass over its weight, too short to keep the GPU busy, and a decoder layer has se
 down. Multiplying once by the concatenated weights of q, k and v, and once by those of gate and up, reads
 the same bytes in two kernels instead of five. vLLM's Qwen and Llama models are written with such merged
 layers (`QKVParallelLinear`, `MergedColumnParallelLinear`); here the transformers model is left as it is
-and its projections share storage instead.
+and its projections share storage instead. On one H100 (random Qwen3-0.6B in bf16, norms and MLPs
+compiled, `benchmarks/bench_decode_step.py --compile-blocks [--no-fuse-projections]`) a graphed decode
+step of 64 rows over 200 keys took 3.51 ms instead of 3.79 (750 kernels instead of 834), of 256 rows 6.33
+instead of 6.62; over HTTP at 256 in flight the server gave 16,916 tokens/s instead of 15,858 (README).
 
 How: each group's weights are copied into one tensor, rows of q then k then v (gate then up), and each
 projection's `weight` parameter (and `bias`) becomes a view of its rows. Parameter names, shapes and
