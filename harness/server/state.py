@@ -181,14 +181,14 @@ class ServerState:
         from harness.server.engine import Engine
         from harness.server.lora import LoraManager
 
+        fused = _fuse(model, config)  # first: the KV budget below is measured with the fused weights alone
+        if fused:
+            logger.info("fused the q/k/v or gate/up projections of %d modules", len(fused))
         text_config = model.config.get_text_config()
         max_model_len = config.max_model_len or int(text_config.max_position_embeddings)
         kv_cache_tokens = config.kv_cache_tokens or default_kv_cache_tokens(
             model, max_model_len=max_model_len, max_num_seqs=config.max_num_seqs
         )
-        fused = _fuse(model, config)
-        if fused:
-            logger.info("fused the q/k/v or gate/up projections of %d modules", len(fused))
         compiled, whole_layers = _compile(model, config)
         engine = Engine(
             model,
@@ -270,6 +270,8 @@ class ServerState:
 
 def _fuse(model: PreTrainedModel, config: ServerConfig) -> list[str]:
     """Fuse the projections as the config asks (`harness/server/fused_projections.py`); the names fused."""
+    import torch
+
     from harness.server.fused_projections import fuse_projections
 
     wanted = config.fuse_projections
@@ -280,7 +282,12 @@ def _fuse(model: PreTrainedModel, config: ServerConfig) -> list[str]:
             "--fuse-projections with --enable-lora: adapters hook the separate projections, so none is fused"
         )
         wanted = False
-    return fuse_projections(model) if wanted else []
+    if not wanted:
+        return []
+    fused = fuse_projections(model)
+    if model.device.type == "cuda":  # the unfused weights' memory back to the device, for the KV budget
+        torch.cuda.empty_cache()
+    return fused
 
 
 def _compile(model: PreTrainedModel, config: ServerConfig) -> tuple[list[str], bool]:
