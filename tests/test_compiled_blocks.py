@@ -275,18 +275,29 @@ def test_the_serve_command_passes_compile_blocks_through():
 
 
 @pytest.mark.parametrize(
-    ("warm_up", "compile_fn"), [(True, compile_blocks), (False, compile_blocks), (True, compile_layers)]
+    ("warm_up", "compile_fn", "fused"),
+    [
+        (True, compile_blocks, False),
+        (False, compile_blocks, False),
+        (True, compile_layers, False),
+        (True, compile_blocks, True),
+        (True, compile_layers, True),
+    ],
 )
-def test_the_engines_warm_up_compiles_every_shape_its_requests_take(warm_up, compile_fn):
+def test_the_engines_warm_up_compiles_every_shape_its_requests_take(warm_up, compile_fn, fused):
     # Dynamic shapes specialise sizes of 1: one row and several, one new token (decode) and several (prefill).
     # After the warm-up, requests alone and together, short and long, compile nothing more; without it the
-    # first requests do the compiling (the mutation check: the same requests then add graphs).
+    # first requests do the compiling (the mutation check: the same requests then add graphs). So too with
+    # the server's fused projections (their q and k reach the norms as strided views of one output).
     from engine_requests import run_requests
 
     from harness.server.engine import Engine
+    from harness.server.fused_projections import fuse_projections
     from harness.server.sampling import SamplingParams
 
     model = build_tiny_qwen3(num_hidden_layers=2)
+    if fused:
+        fuse_projections(model)
     backend = CountingBackend()
     compile_fn(model, backend=backend)
     engine = Engine(model, max_model_len=128, eos_token_ids=[], max_num_seqs=8, kv_cache_tokens=8 * 128)
