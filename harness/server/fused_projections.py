@@ -53,10 +53,9 @@ class FusedProjection:
     projections' own, under their own names."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
-        weight, bias = _fused(linears)
-        self.weight = weight
-        self.bias = bias
+        self.weight, self.bias = _share_storage(linears)
         self.sizes = [linear.out_features for linear in linears]
+        self.parts = [(linear.weight, linear.bias) for linear in linears]  # views of the fused tensors
         self._input: torch.Tensor | None = None
         self._pending: dict[int, torch.Tensor] = {}
 
@@ -70,21 +69,11 @@ class FusedProjection:
                 self._input = None
             return result
         if self._input is x:  # this slice was already handed out for x: it alone, again
-            return F.linear(x, self._weight_of(index), self._bias_of(index))
+            return F.linear(x, *self.parts[index])
         parts = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
         self._input = x
         self._pending = {i: part for i, part in enumerate(parts) if i != index}
         return parts[index]
-
-    def _weight_of(self, index: int) -> torch.Tensor:
-        start = sum(self.sizes[:index])
-        return self.weight[start : start + self.sizes[index]]
-
-    def _bias_of(self, index: int) -> torch.Tensor | None:
-        if self.bias is None:
-            return None
-        start = sum(self.sizes[:index])
-        return self.bias[start : start + self.sizes[index]]
 
 
 class ProjectionSlice(nn.Module):
@@ -97,9 +86,7 @@ class ProjectionSlice(nn.Module):
         self.index = index
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight = nn.Parameter(fused._weight_of(index), requires_grad=False)
-        bias = fused._bias_of(index)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.weight, self.bias = fused.parts[index]  # the linear's own, already views of the fused tensors
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fused.output(x, self.index)
@@ -137,24 +124,30 @@ def _fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
     linears = [getattr(module, name, None) for name in names]
     if not all(type(linear) is nn.Linear for linear in linears):
         return False
-    first = linears[0]
-    assert isinstance(first, nn.Linear)
+    first, *others = [linear for linear in linears if isinstance(linear, nn.Linear)]
     return all(
         linear.in_features == first.in_features
         and linear.weight.dtype == first.weight.dtype
         and linear.weight.device == first.weight.device
         and (linear.bias is None) == (first.bias is None)
-        for linear in linears
-        if isinstance(linear, nn.Linear)
+        for linear in others
     )
 
 
-def _fused(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _share_storage(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) into one tensor each, and make each linear's parameters
+    views of its rows there; returns the fused weight and bias."""
     with torch.no_grad():
         weight = torch.cat([linear.weight for linear in linears])
-        bias = None
-        if linears[0].bias is not None:
-            bias = torch.cat([linear.bias for linear in linears if linear.bias is not None])
+        has_bias = linears[0].bias is not None
+        bias = torch.cat([linear.bias for linear in linears if linear.bias is not None]) if has_bias else None
+    start = 0
+    for linear in linears:
+        rows = slice(start, start + linear.out_features)
+        linear.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[rows], requires_grad=False)
+        start = rows.stop
     return weight, bias
 
 
@@ -162,14 +155,10 @@ def _fuse_mlp(mlp: nn.Module) -> None:
     """Point gate_proj's and up_proj's parameters at one fused tensor (a non-persistent buffer of the MLP,
     so a compiled MLP reads it as an input) and give the MLP a forward that multiplies by it once."""
     gate, up = mlp.gate_proj, mlp.up_proj
-    weight, bias = _fused([gate, up])
+    weight, bias = _share_storage([gate, up])
     mlp.register_buffer("gate_up_weight", weight, persistent=False)
     mlp.register_buffer("gate_up_bias", bias, persistent=False)
     mlp.gate_up_sizes = [gate.out_features, up.out_features]
-    for linear, start, size in ((gate, 0, gate.out_features), (up, gate.out_features, up.out_features)):
-        linear.weight = nn.Parameter(weight[start : start + size], requires_grad=False)
-        if bias is not None:
-            linear.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
     mlp.forward = types.MethodType(_fused_mlp_forward, mlp)
 
 
