@@ -3,7 +3,7 @@
 Why: in one process, the event loop that parses requests and writes log-probs as JSON shares the GIL with
 the engine thread, whose host work between GPU steps it can hold up; with `api_server_count` >= 1 that
 work moves to other processes, as vLLM's API servers do. On one H100 (random Qwen3-0.6B, 4 client
-processes, README "Generation servers") one API server changed generated tokens/s by +1% / -4% at 64 /
+processes, docs/serving-benchmarks.md) one API server changed generated tokens/s by +1% / -4% at 64 /
 256 requests in flight, so it is off by default. Loads heavier in HTTP than in tokens (many short
 requests, large top-k log-probs) were not measured.
 

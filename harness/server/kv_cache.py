@@ -295,7 +295,7 @@ class RowKVCache:
 # requests in flight on an H100, such eager prefills took 233 ms each against 49 ms replayed, and more than
 # half of their host time was inside this call (py-spy, `bench_serving.py --py-spy`). That cuDNN's planning
 # was the cause is not shown: with this list, eager prefills still took 126-209 ms in the next run on an
-# H100 (the figures in README's "Generation servers" were measured with it). Decode steps keep PyTorch's
+# H100 (the figures in docs/serving-benchmarks.md were measured with it). Decode steps keep PyTorch's
 # choice: their shapes are few, each built once, when its graph is captured.
 PREFILL_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 # Decode attention on a GPU: None leaves the choice to PyTorch; a list restricts it (benchmarks/
@@ -306,7 +306,7 @@ DECODE_SDPA_BACKENDS: list[SDPBackend] | None = None
 # variable-length kernel reading each row's keys in place up to the row's own length (`_flash_decode`: no
 # mask made or read, no padded key read). Off a GPU, or for a dtype or head size FlashAttention lacks,
 # "sdpa" runs. Not the default: in one H100 run its steps were 1.5-3.4% shorter, less than runs differ
-# (README, "Generation servers"; bench kind builtin-flash-decode, bench_decode_step.py --decode-attention).
+# (docs/serving-benchmarks.md; bench kind builtin-flash-decode, bench_decode_step.py --decode-attention).
 DECODE_ATTENTION: Literal["sdpa", "flash-varlen"] = "sdpa"
 
 

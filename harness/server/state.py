@@ -96,7 +96,7 @@ class ServerConfig:
     releases the GIL around each operator, and while the HTTP thread runs Python the engine thread waits up
     to this long to get it back, once per operator of an eager forward (`benchmarks/bench_gil.py`). Shorter
     was slower on one H100 over HTTP: 9,249 (0.5 ms) and 9,056 (0.1 ms) against 9,635 tokens/s at 64 in
-    flight, 16,884 and 16,241 against 17,939 at 256 (README, "Generation servers")."""
+    flight, 16,884 and 16,241 against 17,939 at 256 (docs/serving-benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -124,7 +124,7 @@ def default_delay_factor(factor: float | None) -> float:
     prefills replay from graphs in chunks and are launched behind the step in flight, 0 gave more: on one
     H100 over HTTP (random Qwen3-0.6B, `benchmarks/bench_serving.py --servers builtin vllm builtin-nodelay
     --concurrency 64 256 --waves 4`), 7,464 / 14,343 tokens/s at 64 / 256 in flight against 6,537 / 12,336
-    with 1 (README, "Generation servers")."""
+    with 1 (docs/serving-benchmarks.md)."""
     return 0.0 if factor is None else factor
 
 
