@@ -6,6 +6,7 @@ replays when every row samples by temperature alone).
     python benchmarks/bench_decode_step.py                    # a GPU: random Qwen3-0.6B shape, bf16
     python benchmarks/bench_decode_step.py --compile-blocks   # norms and MLPs compiled, as the server does
     python benchmarks/bench_decode_step.py --compile-layers   # whole decoder layers but their attention
+    python benchmarks/bench_decode_step.py --search auto blocks rows   # the in-graph sampling's two searches
     python benchmarks/bench_decode_step.py --device cpu --preset tiny --rows 8   # smoke: no graphs on CPU
 
 The engine first serves one wave of `max(--rows)` requests (128-token prompts, 128 new tokens), which sizes
@@ -32,6 +33,7 @@ over 200 keys took 3.51 ms against 3.79 with `--no-fuse-projections` (750 kernel
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 import time
@@ -45,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_engine import add_fuse_flag, build_model, compile_as_asked, run_wave
 
-from harness.server import kv_cache
+from harness.server import kv_cache, sampling
 from harness.server.cuda_graphs import StepGraphs
 from harness.server.engine import Engine
 
@@ -67,7 +69,7 @@ def synchronize(device: torch.device) -> None:
 @torch.inference_mode()
 def measure(engine: Engine, rows: int, length: int, iters: int, fresh_graphs: bool = False) -> None:
     """Time `rows` rows' decode step replayed (from the engine's graphs, or from graphs captured afresh
-    with the attention backends now set), then profile its eager run's kernels."""
+    with the attention backends and sampling search now set), then profile its eager run's kernels."""
     device = engine.cache.device
     replayed = engine.graphs or StepGraphs(engine.model, engine.cache, capture=False)
     if fresh_graphs and engine.graphs is not None:
@@ -126,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         help="SDPA backends of the decode step's attention, each measured in turn: server (the server's "
         "choice), pytorch (PyTorch's), or one backend; flash-varlen: FlashAttention's varlen kernel instead",
     )
+    parser.add_argument(
+        "--search",
+        nargs="+",
+        choices=["auto", "blocks", "rows"],
+        default=["auto"],
+        help="the sampling's inverse-CDF search in the graph, each measured in turn (graphs captured afresh "
+        "for each but auto): the device's own, two levels of 1,024-token blocks, or one scan per row",
+    )
     args = parser.parse_args(argv)
     if not all(1 <= length <= 256 for length in args.length):
         parser.error("--length must be in [1, 256]: the warm-up wave sizes the cache to 256 positions")
@@ -141,14 +151,24 @@ def main(argv: list[str] | None = None) -> int:
         engine.pause().result()
         print(f"{args.preset} on {args.device}, {compiled or 'eager'}")
         server_choice = kv_cache.DECODE_SDPA_BACKENDS
-        for choice in args.decode_attention:
+        device_search = sampling.searches_by_block
+        for choice, search in itertools.product(args.decode_attention, args.search):
             chosen = server_choice if choice == "server" else ATTENTION_BACKENDS[choice]
             kv_cache.DECODE_SDPA_BACKENDS = chosen
             kv_cache.DECODE_ATTENTION = "flash-varlen" if choice == "flash-varlen" else "sdpa"
-            print(f"decode attention: {choice} ({kv_cache.DECODE_SDPA_BACKENDS or 'any backend'})")
+            sampling.searches_by_block = {  # type: ignore[assignment]
+                "auto": device_search,
+                "blocks": lambda device: True,
+                "rows": lambda device: False,
+            }[search]
+            print(
+                f"decode attention: {choice} ({kv_cache.DECODE_SDPA_BACKENDS or 'any backend'}), "
+                f"sampling search: {search}"
+            )
+            fresh = choice != "server" or search != "auto"
             for rows in args.rows:
                 for length in args.length:
-                    measure(engine, rows, length, args.iters, fresh_graphs=choice != "server")
+                    measure(engine, rows, length, args.iters, fresh_graphs=fresh)
     finally:
         engine.close()
     return 0
