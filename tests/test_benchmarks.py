@@ -1,0 +1,89 @@
+"""The server benchmarks' CPU smoke commands, as their docstrings give them, run whole: each must finish and
+print figures that add up. A benchmark is only run by hand, on a GPU, and a broken one costs the device
+time it was given (bench_engine.py --http failed with an AttributeError for a session before anyone ran it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(*argv: str) -> str:
+    """Run benchmarks/ARGV[0] with the rest as arguments; its output (stdout and stderr), after it exits 0."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / argv[0]), *argv[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return output
+
+
+def test_bench_engine_in_process_and_over_http():
+    output = run_benchmark(
+        "bench_engine.py", "--device", "cpu", "--preset", "tiny", "--concurrency", "8", "--max-tokens", "16"
+    )
+    waves = re.findall(r"C=8 wave (\d): (\d+) tok/s", output)
+    assert [wave for wave, _ in waves] == ["0", "1", "2"], output[-2000:]
+    assert all(int(rate) > 0 for _, rate in waves)
+    output = run_benchmark(
+        "bench_engine.py",
+        *("--device", "cpu", "--preset", "tiny", "--concurrency", "8", "--max-tokens", "16", "--http"),
+    )
+    rate = re.search(r"HTTP .* C=8: (\d+) tok/s over", output)
+    assert rate is not None and int(rate.group(1)) > 0, output[-2000:]
+
+
+def test_bench_serving_counts_every_token_the_timed_waves_asked_for(tmp_path):
+    out = tmp_path / "serving.json"
+    run_benchmark(
+        "bench_serving.py",
+        *("--servers", "builtin", "--device", "cpu", "--preset", "tiny", "--concurrency", "8"),
+        *("--waves", "2", "--max-tokens", "16", "--client-processes", "2", "--out", str(out)),
+    )
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["server"] == "builtin" and row["concurrency"] == 8
+    assert row["tokens"] == 2 * 8 * 16  # waves x requests x exactly max_tokens (ignore_eos)
+    assert row["tokens_per_s"] > 0 and len(row["client_cpu_per_wall_s"]) == 2
+    engine = row["engine"]  # the server's own counters over the timed waves
+    assert engine["decode_steps_per_s"] > 0 and 0 <= engine["idle_share"] <= 1
+
+
+def test_bench_decode_step_measures_each_search_with_and_without_sampling():
+    output = run_benchmark(
+        "bench_decode_step.py",
+        *("--device", "cpu", "--preset", "tiny", "--rows", "8", "--length", "64", "--iters", "2"),
+        *("--search", "auto", "blocks", "rows"),
+    )
+    assert re.findall(r"sampling search: (\w+)", output) == ["auto", "blocks", "rows"]
+    steps = re.findall(r"rows 8, 64 keys: .*?(, sampled in it)? ([\d.]+) ms per step", output)
+    assert len(steps) == 6 and all(float(ms) > 0 for _, ms in steps), output[-2000:]
+
+
+def test_bench_sampling_times_each_search():
+    output = run_benchmark(
+        "bench_sampling.py", "--device", "cpu", "--rows", "8", "--logprobs", "1", "--iters", "2",
+        "--search", "blocks", "rows",
+    )  # fmt: skip
+    timed = re.findall(r"search (\w+)\s*:\s*sampled\s+([\d.]+)\s+greedy\s+([\d.]+)", output)
+    assert [search for search, _, _ in timed] == ["blocks", "rows"], output[-2000:]
+
+
+def test_bench_weight_sync_gathers_under_fsdp2_and_checks_what_it_read():
+    # Two gloo processes; the benchmark compares every way's tensors with one process's before timing them.
+    output = run_benchmark("bench_weight_sync.py", "--gather", "--repeats", "1")
+    ways = re.findall(r"^  (.+?)\s+gather\s+([\d.]+) ms\s+file\s+([\d.]+) ms", output, flags=re.MULTILINE)
+    assert len(ways) == 6 and ways[0][0] == "one process (reference)", output[-2000:]
