@@ -94,3 +94,21 @@ def test_bench_host_step_takes_the_async_graph_path():
     output = run_benchmark("bench_host_step.py", "--rows", "8", "--max-tokens", "8", "--repeats", "1")
     timed = re.search(r"rows 8: ([\d.]+) ms of host time per decode step", output)
     assert timed is not None and float(timed.group(1)) > 0, output[-2000:]
+
+
+def test_bench_trainer_ab_runs_both_arms_and_reports_their_ratio(tmp_path):
+    # The trainer's async-against-sync A/B (issue 19's third target), both arms whole on CPU.
+    out = tmp_path / "ab.json"
+    run_benchmark(
+        "bench_trainer.py", "--ab", "--preset", "tiny", "--steps", "2", "--device", "cpu", "--out", str(out)
+    )
+    result = json.loads(out.read_text())
+    arms = result["summaries"]
+    assert arms["async"]["max_staleness"] == 2 and arms["sync"]["max_staleness"] == 0
+    assert arms["sync"]["staleness_mean"] == 0  # a sync step trains samples of the current policy alone
+    for arm in arms.values():
+        assert 0 < arm["trained_tokens_per_step_mean"] <= arm["forwarded_tokens_per_step_mean"]
+        assert arm["forwarded_tokens_per_step_mean"] <= arm["token_budget"]
+    ratio = arms["async"]["trained_tokens_per_s"] / arms["sync"]["trained_tokens_per_s"]
+    assert result["speedup_async_over_sync"] == pytest.approx(ratio)
+    assert [len(result["logs"][name]) for name in ("async", "sync")] == [2, 2]  # one log row per step
