@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--search",
         nargs="+",
-        choices=["auto", "blocks", "rows"],
+        choices=sampling.SEARCH_CHOICES,
         default=["auto"],
         help="the sampling's inverse-CDF search in the graph, each measured in turn (graphs captured afresh "
         "for each but auto): the device's own, two levels of 1,024-token blocks, or one scan per row",
@@ -151,16 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.pause().result()
         print(f"{args.preset} on {args.device}, {compiled or 'eager'}")
         server_choice = kv_cache.DECODE_SDPA_BACKENDS
-        device_search = sampling.searches_by_block
         for choice, search in itertools.product(args.decode_attention, args.search):
             chosen = server_choice if choice == "server" else ATTENTION_BACKENDS[choice]
             kv_cache.DECODE_SDPA_BACKENDS = chosen
             kv_cache.DECODE_ATTENTION = "flash-varlen" if choice == "flash-varlen" else "sdpa"
-            sampling.searches_by_block = {  # type: ignore[assignment]
-                "auto": device_search,
-                "blocks": lambda device: True,
-                "rows": lambda device: False,
-            }[search]
+            sampling.SEARCH = search
             print(
                 f"decode attention: {choice} ({kv_cache.DECODE_SDPA_BACKENDS or 'any backend'}), "
                 f"sampling search: {search}"

@@ -86,13 +86,12 @@ def main() -> None:
     parser.add_argument(
         "--search",
         nargs="+",
-        choices=["auto", "blocks", "rows"],
+        choices=sampling.SEARCH_CHOICES,
         default=["auto"],
         help="inverse-CDF and top-k search: the device's own (auto), two-level by blocks, or whole rows",
     )
     args = parser.parse_args()
     device = torch.device(args.device)
-    device_default = sampling.searches_by_block
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, args.dtype)
     print(f"device {device}, {args.dtype} logits, vocabulary {args.vocab_size}, median of {args.iters} (ms)")
@@ -102,11 +101,7 @@ def main() -> None:
             sampled = [SamplingParams(temperature=1.0, num_logprobs=logprobs)] * rows
             greedy = [SamplingParams(temperature=0.0, num_logprobs=logprobs)] * rows
             for search in args.search:
-                sampling.searches_by_block = {  # type: ignore[assignment]
-                    "auto": device_default,
-                    "blocks": lambda _: True,
-                    "rows": lambda _: False,
-                }[search]
+                sampling.SEARCH = search
                 sampled_ms = time_call(device, logits, sampled, args.iters)
                 greedy_ms = time_call(device, logits, greedy, args.iters)
                 line = (

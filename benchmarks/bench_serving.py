@@ -19,7 +19,7 @@ script's flag of that name, default 1: requests arriving while rows decode wait 
 --api-server-count 1 (HTTP in a process of its own instead of on a thread of the engine's),
 `builtin-switch-MS` with `--switch-interval-ms MS` (the GIL's switch interval in the server's process,
 Python's default being 5 ms; e.g. `builtin-switch-0.5`), `builtin-blocks`
-and `builtin-rows` with the inverse-CDF search of their sampling forced (`sampling.searches_by_block`:
+and `builtin-rows` with the inverse-CDF search of their sampling forced (`sampling.SEARCH`:
 two levels of blocks, or one scan per row, a GPU's default), `builtin-sample-apart` with each decode
 step's sampling launched after its CUDA graph instead of recorded in it (as before 2026-12-07),
 `builtin-no-substitute` with a prefill shape not captured yet run eagerly rather than in a larger captured
@@ -88,8 +88,8 @@ SERVED_NAME = "bench"
 LAUNCHER = "import sys; {setup}; from harness.server.cli import main; sys.exit(main(sys.argv[1:]))"
 LAUNCHER_SETUPS = {
     # the inverse-CDF search of the sampling set to blocks or not
-    "builtin-blocks": "from harness.server import sampling; sampling.searches_by_block = lambda device: True",
-    "builtin-rows": "from harness.server import sampling; sampling.searches_by_block = lambda device: False",
+    "builtin-blocks": "from harness.server import sampling; sampling.SEARCH = 'blocks'",
+    "builtin-rows": "from harness.server import sampling; sampling.SEARCH = 'rows'",
     # each decode step sampled after its CUDA graph, not inside it
     "builtin-sample-apart": (
         "from harness.server.cuda_graphs import StepGraphs; StepGraphs.samples_in_graph = False"

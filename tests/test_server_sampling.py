@@ -75,7 +75,7 @@ def test_a_draw_at_the_top_never_takes_a_masked_token(blocked):
 
 @pytest.mark.parametrize("blocked", [True, False])
 def test_sampled_rows_agree_with_the_processed_distribution_and_ignore_their_batch(blocked, monkeypatch):
-    monkeypatch.setattr(sampling, "searches_by_block", lambda device: blocked)
+    monkeypatch.setattr(sampling, "SEARCH", "blocks" if blocked else "rows")
     generator = torch.Generator().manual_seed(0)
     vocab_size = 5 * CDF_BLOCK + 300
     logits = torch.randn(6, vocab_size, generator=generator) * 4
@@ -125,6 +125,17 @@ def test_an_all_greedy_batch_takes_each_rows_maximum():
 def test_blocks_are_searched_on_a_cpu_and_whole_rows_on_a_gpu():
     assert sampling.searches_by_block(torch.device("cpu"))
     assert not sampling.searches_by_block(torch.device("cuda", 0))
+
+
+def test_the_search_setting_overrides_the_device_and_names_its_choices(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(sampling, "SEARCH", "rows")
+    assert not sampling.searches_by_block(cpu) and not sampling.searches_by_block(gpu)
+    monkeypatch.setattr(sampling, "SEARCH", "blocks")
+    assert sampling.searches_by_block(cpu) and sampling.searches_by_block(gpu)
+    monkeypatch.setattr(sampling, "SEARCH", "block")
+    with pytest.raises(ValueError, match=r"'block'.*auto, blocks, rows"):
+        sampling.searches_by_block(cpu)
 
 
 def test_candidate_sets_are_each_masked_rows_surviving_tokens():

@@ -371,14 +371,22 @@ def masked_rows_of(params_B: list[SamplingParams]) -> list[int]:
     return [row for row, p in enumerate(params_B) if p.return_sampling_mask and p.truncates]
 
 
+# How `inverse_cdf` searches: "auto" (by device, `searches_by_block`), "blocks" or "rows" everywhere. The
+# benchmarks set it to compare the two (`bench_sampling.py --search`, `bench_decode_step.py --search`).
+SEARCH_CHOICES = ("auto", "blocks", "rows")
+SEARCH = "auto"
+
+
 def searches_by_block(device: torch.device) -> bool:
-    """Whether `inverse_cdf` searches in two levels of `CDF_BLOCK` tokens on this device.
+    """Whether `inverse_cdf` searches in two levels of `CDF_BLOCK` tokens on this device (`SEARCH`).
 
     On the dev machine's CPU the blocks win (a sampled step of 64 rows x 151,936 tokens: 32 ms instead of
     74); on an H100 the one scan wins, its kernels being few and the blocks' many (0.82 ms instead of 1.17).
     `python benchmarks/bench_sampling.py --search blocks rows` measures both.
     """
-    return device.type == "cpu"
+    if SEARCH not in SEARCH_CHOICES:
+        raise ValueError(f"sampling.SEARCH is {SEARCH!r}; set it to one of {', '.join(SEARCH_CHOICES)}")
+    return device.type == "cpu" if SEARCH == "auto" else SEARCH == "blocks"
 
 
 def inverse_cdf(probs_BV: torch.Tensor, uniforms_B: torch.Tensor, *, blocked: bool = True) -> torch.Tensor:
