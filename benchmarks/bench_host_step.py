@@ -9,9 +9,10 @@ step launched before the previous one is read: async scheduling), on the CPU, wi
 by a stub that writes random tokens into the graph's output buffers. So each step's time is the host's
 alone: copying the inputs in, drawing each row's uniform, reading the step before, appending tokens and
 log-probs, the stop checks, finishing requests and handing them out. `--rows` requests of
-`--prompt-len` tokens (temperature 1, logprobs=1, exactly `--max-tokens` new tokens) are prefilled once,
-untimed, then decoded to the end, `--repeats` times. Printed per row count: the median milliseconds of host
-time per decode step, and the range.
+`--prompt-len` tokens (temperature 1, logprobs=1, exactly `--max-tokens` new tokens) are submitted to a
+started engine, which prefills them and decodes them to the end on its own thread, `--repeats` times. The
+wall time of that, less the prefills and idle waits the engine counts (`Engine.stats()`), per decode step,
+is the host's time per step; printed per row count: the median in milliseconds, and the range.
 What it answers: whether a GPU's decode step (bench_decode_step.py) or the engine's Python bounds the
 server; with async scheduling the two overlap, so the step takes the longer of them. On the dev machine
 (2 cores, idle; `--repeats 5`, two runs): medians of 0.19 / 0.32 ms per step at 64 rows and 1.00 / 1.11 ms
@@ -28,6 +29,7 @@ import pstats
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,8 +56,9 @@ class StubGraphs(StepGraphs):
             self._packed_R4[:rows].zero_()
 
 
-@torch.inference_mode()
 def host_ms_per_step(rows: int, prompt_len: int, max_tokens: int, profile: bool) -> float:
+    """One run: the engine's thread prefills `rows` requests and decodes them to the end; the wall time of
+    that, less its prefills and idle waits (from `Engine.stats()`), per decode step, in milliseconds."""
     model = build_tiny_qwen3(num_hidden_layers=1)
     length = prompt_len + max_tokens + 1
     engine = Engine(
@@ -68,31 +71,35 @@ def host_ms_per_step(rows: int, prompt_len: int, max_tokens: int, profile: bool)
     )
     engine.graphs = StubGraphs(model, engine.cache, capture=False)
     finished: list[object] = []
+    all_done = threading.Event()
+
+    def on_done(output: object) -> None:  # on the engine thread, after the stats of its step are published
+        finished.append(output)
+        if len(finished) == rows:
+            all_done.set()
+
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True, num_logprobs=1)
     rng = random.Random(rows)
     for _ in range(rows):
-        engine.submit([rng.randint(10, 1000) for _ in range(prompt_len)], params, finished.append)
-    # The engine's loop, on this thread: the first step prefills every row (untimed), the rest decode.
-    engine._take_inbox()
-    engine._step()
-    steps_before = engine._counters.num_decode_steps
+        engine.submit([rng.randint(10, 1000) for _ in range(prompt_len)], params, on_done)
     profiler = cProfile.Profile() if profile else None
-    started = time.perf_counter()
-    if profiler is not None:
-        profiler.enable()
-    while len(finished) < rows:
-        engine._step()
-        engine._publish_stats()
-        engine._deliver()
-    if profiler is not None:
-        profiler.disable()
-    elapsed = time.perf_counter() - started
-    steps = engine._counters.num_decode_steps - steps_before
+    if profiler is not None:  # the engine thread profiles itself from its first Python call on
+        threading.setprofile(lambda *_: (sys.setprofile(None), profiler.enable()))
+    try:
+        started = time.perf_counter()
+        engine.start()
+        if not all_done.wait(timeout=600):
+            raise RuntimeError(f"{len(finished)} of {rows} requests finished in 600 s: {engine.error!r}")
+        elapsed = time.perf_counter() - started
+        stats = engine.stats()
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        engine.close()
     if engine.num_steps_ahead == 0:
         raise RuntimeError("no decode step went ahead: this is not the async graph path")
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
-    return elapsed / steps * 1000
+    return (elapsed - stats.prefill_s - stats.idle_s) / stats.num_decode_steps * 1000
 
 
 def main(argv: list[str] | None = None) -> int:
