@@ -233,6 +233,7 @@ def main() -> None:
         run_ab(args)
         return
     from harness import AsyncGRPOConfig, AsyncGRPOTrainer
+    from harness.training.processes import end_process_group
 
     plan_log = PlanLog()
     logging.getLogger("harness.weight_sync.plan").addHandler(plan_log)
@@ -282,7 +283,7 @@ def main() -> None:
         shutil.rmtree(output_dir, ignore_errors=True)
     wall_s = time.monotonic() - started
     if world > 1:
-        torch.distributed.destroy_process_group()  # before exit, so NCCL's watchdog thread stops cleanly
+        end_process_group()  # before exit: NCCL's watchdog thread stops, gloo's workers go idle
     if config.process_index != 0:
         return
     step_logs = [entry for entry in recorder.logs if "perf/step_s" in entry]

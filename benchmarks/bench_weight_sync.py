@@ -233,6 +233,7 @@ def gather_rank(rank: int, world: int, port: int, out_dir: str, settings: dict[s
 
     from harness.testing.models import QWEN3_SHAPES, QWEN_VOCAB_SIZE
     from harness.training.fsdp import mixed_precision_policy, shard_model, use_float32_master_weights
+    from harness.training.processes import end_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device(settings["device"], rank) if settings["device"] == "cuda" else torch.device("cpu")
@@ -282,7 +283,7 @@ def gather_rank(rank: int, world: int, port: int, out_dir: str, settings: dict[s
             }
             (Path(out_dir) / "results.json").write_text(json.dumps(results))
     finally:
-        dist.destroy_process_group()
+        end_process_group()  # and gloo's workers idle before the interpreter exits
 
 
 def _weights(model: Any, kwargs: dict[str, Any]) -> Any:

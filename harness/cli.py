@@ -222,22 +222,12 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        _end_process_group()
+        from harness.training.processes import end_process_group
+
+        end_process_group()  # under torchrun; nothing otherwise (and torch is not imported for it)
     if args.dry_run:
         print(json.dumps(result, indent=2))
     return 0
-
-
-def _end_process_group() -> None:
-    """Under torchrun, take the run's process group down before the interpreter exits, as PyTorch asks (a
-    group left to the interpreter's teardown draws its warning, and gloo has been reported to abort there).
-    Nothing to do when torch was never imported or no group was formed."""
-    if "torch" not in sys.modules:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -275,8 +275,10 @@ def rank_steps(
         pickle.dump(result, handle)
     import torch.distributed as dist
 
+    from harness.training.processes import end_process_group
+
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # and gloo's workers idle before the interpreter exits
 
 
 # --- the tests --------------------------------------------------------------------------------------------

@@ -183,6 +183,8 @@ def refusal() -> str | None:
 def rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from harness.training.processes import end_process_group
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -191,7 +193,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         results["refused"] = refusal()
         results["odd"] = gathered_odd_tensors()
     finally:
-        dist.destroy_process_group()
+        end_process_group()  # and gloo's workers idle before the interpreter exits
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as handle:
         pickle.dump(results, handle)
 

@@ -149,6 +149,8 @@ def rank_main(out_dir: Path, launch: str) -> None:
     2-node run), the full policy only."""
     import torch.distributed as dist
 
+    from harness.training.processes import end_process_group
+
     torch.set_num_threads(1)
     policies = ("full",) if launch.startswith("nodes-") else POLICIES
     resume = launch.endswith("resume")
@@ -157,7 +159,7 @@ def rank_main(out_dir: Path, launch: str) -> None:
     with open(out_dir / f"{launch}-rank{rank}.pkl", "wb") as handle:
         pickle.dump(records, handle)
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # and gloo's workers idle before the interpreter exits
 
 
 # --- the test ----------------------------------------------------------------------------------------------

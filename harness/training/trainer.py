@@ -33,6 +33,7 @@ trainer holds).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import json
@@ -72,7 +73,7 @@ from harness.training.generation_side import generation_server, open_weight_sync
 from harness.training.ledger import PromptLedger
 from harness.training.loss import LossConfig, fused_policy_loss
 from harness.training.moe import router_aux_loss, router_aux_loss_coef
-from harness.training.processes import Processes
+from harness.training.processes import Processes, end_process_group
 from harness.training.rollout_log import ROLLOUTS_DIR, RolloutLog, completions_table
 from harness.types import TrainingSample, TrainingSequence
 from harness.weight_sync.plan import check_no_lm_head_adapter
@@ -252,6 +253,9 @@ class AsyncGRPOTrainer(Trainer):
     def _setup_run(self, resume_from_checkpoint: str | bool | None) -> None:
         args: AsyncGRPOConfig = self.args
         self.processes = Processes(rank=args.process_index, world_size=args.world_size)
+        if args.world_size > 1:  # once per process: destroy the group and let gloo's threads settle at exit
+            atexit.unregister(end_process_group)
+            atexit.register(end_process_group)
         checkpoint = None
         if resume_from_checkpoint:
             checkpoint = checkpoint_directory(args.output_dir, resume_from_checkpoint)
