@@ -15,7 +15,7 @@ wall time of that, less the prefills and idle waits the engine counts (`Engine.s
 is the host's time per step; printed per row count: the median in milliseconds, and the range.
 What it answers: whether a GPU's decode step (bench_decode_step.py) or the engine's Python bounds the
 server; with async scheduling the two overlap, so the step takes the longer of them. On the dev machine
-(2 cores, idle; `--repeats 5`, two runs): medians of 0.19 / 0.32 ms per step at 64 rows and 1.00 / 1.11 ms
+(2 cores, idle; `--repeats 5`, two runs): medians of 0.20 / 0.22 ms per step at 64 rows and 0.67 / 0.74 ms
 at 256, where a graphed step takes 3.3-4.3 ms at 64 rows and 6.0-7.9 ms at 256 on an H100
 (bench_decode_step.py, with or without its sampling, projections fused or not): the engine's own Python
 is not what bounds a step there.
