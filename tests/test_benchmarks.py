@@ -82,6 +82,13 @@ def test_bench_sampling_times_each_search():
     assert [search for search, _, _ in timed] == ["blocks", "rows"], output[-2000:]
 
 
+def test_bench_weight_sync_gathers_under_fsdp2_and_checks_what_it_read():
+    # Two gloo processes; the benchmark compares every way's tensors with one process's before timing them.
+    output = run_benchmark("bench_weight_sync.py", "--gather", "--repeats", "1")
+    ways = re.findall(r"^  (.+?)\s+gather\s+([\d.]+) ms\s+file\s+([\d.]+) ms", output, flags=re.MULTILINE)
+    assert len(ways) == 6 and ways[0][0] == "one process (reference)", output[-2000:]
+
+
 def test_bench_host_step_takes_the_async_graph_path():
     # The benchmark refuses to report a run in which no decode step went ahead (not the GPU's path).
     output = run_benchmark("bench_host_step.py", "--rows", "8", "--max-tokens", "8", "--repeats", "1")
