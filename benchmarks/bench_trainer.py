@@ -233,7 +233,6 @@ def main() -> None:
         run_ab(args)
         return
     from harness import AsyncGRPOConfig, AsyncGRPOTrainer
-    from harness.training.processes import end_process_group
 
     plan_log = PlanLog()
     logging.getLogger("harness.weight_sync.plan").addHandler(plan_log)
@@ -281,9 +280,7 @@ def main() -> None:
         trainer.train()
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
-    wall_s = time.monotonic() - started
-    if world > 1:
-        end_process_group()  # before exit: NCCL's watchdog thread stops, gloo's workers go idle
+    wall_s = time.monotonic() - started  # with several ranks, the trainer ends the group at exit
     if config.process_index != 0:
         return
     step_logs = [entry for entry in recorder.logs if "perf/step_s" in entry]

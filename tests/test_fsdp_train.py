@@ -149,8 +149,6 @@ def rank_main(out_dir: Path, launch: str) -> None:
     2-node run), the full policy only."""
     import torch.distributed as dist
 
-    from harness.training.processes import end_process_group
-
     torch.set_num_threads(1)
     policies = ("full",) if launch.startswith("nodes-") else POLICIES
     resume = launch.endswith("resume")
@@ -158,8 +156,7 @@ def rank_main(out_dir: Path, launch: str) -> None:
     rank = dist.get_rank()
     with open(out_dir / f"{launch}-rank{rank}.pkl", "wb") as handle:
         pickle.dump(records, handle)
-    dist.barrier()
-    end_process_group()  # and gloo's workers idle before the interpreter exits
+    dist.barrier()  # the group ends at exit, by the trainer's hook (processes.end_process_group)
 
 
 # --- the test ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 
 from harness.testing.ranks import run_ranks
 from harness.training import processes
-from harness.training.processes import GLOO_WORKER_THREAD, end_process_group, wait_until_idle
+from harness.training.processes import GLOO_WORKER_THREAD, count_threads, end_process_group, wait_until_idle
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
 
@@ -66,6 +66,17 @@ def test_a_thread_that_keeps_waking_is_never_idle():
     thread.join()
 
 
+def test_threads_are_counted_by_the_name_linux_shows():
+    stop = threading.Event()
+    threads = [named_thread(NAME, stop.wait) for _ in range(2)]
+    time.sleep(0.05)  # each names itself once started
+    assert count_threads(NAME) == 2
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert count_threads(NAME) == 0
+
+
 def test_no_such_thread_means_no_wait(monkeypatch):
     def no_sleep(seconds: float) -> None:
         raise AssertionError(f"slept {seconds} s with no thread to wait for")
@@ -96,7 +107,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.all_gather(parts, tensor, async_op=True)
     del tensor, parts  # the collective alone holds its buffers now
     dist.barrier()
-    workers = len(processes._thread_activity(Path("/proc/self/task"), GLOO_WORKER_THREAD))
+    workers = count_threads(GLOO_WORKER_THREAD)
     end_process_group()
     seen = {
         "workers": workers,

@@ -118,6 +118,12 @@ def wait_until_idle(thread_name: str, timeout_s: float) -> bool:
     return True
 
 
+def count_threads(thread_name: str) -> int:
+    """How many threads of this process Linux names `thread_name` (0 off Linux: nothing to read)."""
+    tasks = Path("/proc/self/task")
+    return len(_thread_activity(tasks, thread_name)) if tasks.is_dir() else 0
+
+
 def _thread_activity(tasks: Path, thread_name: str) -> dict[str, tuple[str, int]]:
     """The state and context switches so far of each thread named `thread_name` (threads that end while
     being read are left out)."""
@@ -135,4 +141,4 @@ def _thread_activity(tasks: Path, thread_name: str) -> dict[str, tuple[str, int]
     return activity
 
 
-__all__ = ["GLOO_WORKER_THREAD", "Processes", "end_process_group", "wait_until_idle"]
+__all__ = ["GLOO_WORKER_THREAD", "Processes", "count_threads", "end_process_group", "wait_until_idle"]
