@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_engine import add_fuse_flag, build_model, compile_as_asked, run_wave
+from bench_engine import add_model_flags, build_model, compile_as_asked, run_wave
 
 from harness.server import kv_cache, sampling
 from harness.server.cuda_graphs import StepGraphs
@@ -108,18 +108,12 @@ def measure(engine: Engine, rows: int, length: int, iters: int, fresh_graphs: bo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b, ... or tiny")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_flags(parser)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
     parser.add_argument(
         "--length", type=int, nargs="+", default=[200], help="keys each row attends to (<= 256), each in turn"
     )
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
-    parser.add_argument(
-        "--compile-layers", action="store_true", help="compile whole decoder layers but their attention first"
-    )
-    add_fuse_flag(parser)
     parser.add_argument(
         "--decode-attention",
         nargs="+",

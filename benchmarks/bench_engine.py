@@ -98,7 +98,14 @@ def compile_as_asked(model: Any, args: argparse.Namespace) -> str:
     return ", ".join(done)
 
 
-def add_fuse_flag(parser: argparse.ArgumentParser) -> None:
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model these benchmarks build (`build_model`) and how it is prepared (`compile_as_asked`)."""
+    parser.add_argument("--preset", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b, ... or tiny")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
+    parser.add_argument(
+        "--compile-layers", action="store_true", help="compile whole decoder layers but their attention first"
+    )
     parser.add_argument(
         "--fuse-projections",
         action=argparse.BooleanOptionalAction,
@@ -321,8 +328,7 @@ def run_http(model: Any, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="qwen3-0.6b", help="qwen3-0.6b, qwen3-1.7b, ... or tiny")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_flags(parser)
     parser.add_argument("--eager", action="store_true", help="the engine with enforce_eager")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -334,11 +340,6 @@ def main(argv: list[str] | None = None) -> int:
         help="launch each decode step before reading the previous one (default: on)",
     )
     parser.add_argument("--http", action="store_true", help="behind the HTTP server, with client processes")
-    parser.add_argument("--compile-blocks", action="store_true", help="compile the norms and MLPs first")
-    parser.add_argument(
-        "--compile-layers", action="store_true", help="compile whole decoder layers but their attention first"
-    )
-    add_fuse_flag(parser)
     parser.add_argument(
         "--scheduler-delay-factor", type=float, default=0.0, help="the engine's (with --http)"
     )

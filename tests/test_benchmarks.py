@@ -73,6 +73,17 @@ def test_bench_decode_step_measures_each_search_with_and_without_sampling():
     assert len(steps) == 6 and all(float(ms) > 0 for _, ms in steps), output[-2000:]
 
 
+def test_bench_prefill_times_each_shape_under_each_attention_choice():
+    output = run_benchmark(
+        "bench_prefill.py",
+        *("--device", "cpu", "--preset", "tiny", "--shapes", "2x16", "3x40", "--iters", "2"),
+        *("--prefill-attention", "server", "math"),
+    )
+    assert re.findall(r"prefill attention: (\w+)", output) == ["server", "math"]
+    timed = re.findall(r"^(\d+x\d+): .* ([\d.]+) ms per prefill", output, flags=re.MULTILINE)
+    assert [shape for shape, _ in timed] == ["2x16", "3x40"] * 2 and all(float(ms) > 0 for _, ms in timed)
+
+
 def test_bench_sampling_times_each_search():
     output = run_benchmark(
         "bench_sampling.py", "--device", "cpu", "--rows", "8", "--logprobs", "1", "--iters", "2",
