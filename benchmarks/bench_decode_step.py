@@ -7,6 +7,7 @@ replays when every row samples by temperature alone).
     python benchmarks/bench_decode_step.py --compile-blocks   # norms and MLPs compiled, as the server does
     python benchmarks/bench_decode_step.py --compile-layers   # whole decoder layers but their attention
     python benchmarks/bench_decode_step.py --search auto blocks rows   # the in-graph sampling's two searches
+    python benchmarks/bench_decode_step.py --compile-sampling # the in-graph sampling compiled by inductor
     python benchmarks/bench_decode_step.py --device cpu --preset tiny --rows 8   # smoke: no graphs on CPU
 
 The engine first serves one wave of `max(--rows)` requests (128-token prompts, 128 new tokens), which sizes
@@ -130,7 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the sampling's inverse-CDF search in the graph, each measured in turn (graphs captured afresh "
         "for each but auto): the device's own, two levels of 1,024-token blocks, or one scan per row",
     )
+    parser.add_argument(
+        "--compile-sampling",
+        action="store_true",
+        help="the sampling recorded in the graph compiled by inductor first (StepGraphs.compile_sampling)",
+    )
     args = parser.parse_args(argv)
+    StepGraphs.compile_sampling = args.compile_sampling
     if not all(1 <= length <= 256 for length in args.length):
         parser.error("--length must be in [1, 256]: the warm-up wave sizes the cache to 256 positions")
     model = build_model(args.preset, args.device)

@@ -26,7 +26,8 @@ step's sampling launched after its CUDA graph instead of recorded in it (as befo
 graph (as before 2026-12-07), `builtin-substitute-2x` with that substitute at most twice its tokens,
 `builtin-pow2-keys` with decode key positions padded to powers of two alone (as before 2026-12-07),
 `builtin-flash-decode` with decode attention through FlashAttention's varlen kernel over the cache in place
-(`kv_cache.DECODE_ATTENTION`), `vllm` is
+(`kv_cache.DECODE_ATTENTION`), `builtin-compiled-sampling` with the sampling a decode step's graph
+records compiled by inductor first (`StepGraphs.compile_sampling`), `vllm` is
 vLLM's OpenAI server (`--logprobs-mode processed_logprobs`, `--gpu-memory-utilization` 0.5, as a trainer
 beside it would leave room), when this interpreter can import vllm (on the H200: the carried wheels of
 shared/gpu/vllm-on-h200.md).
@@ -103,6 +104,10 @@ LAUNCHER_SETUPS = {
     ),
     # decode steps attending through FlashAttention's varlen kernel over the cache in place
     "builtin-flash-decode": "from harness.server import kv_cache; kv_cache.DECODE_ATTENTION = 'flash-varlen'",
+    # the sampling a decode step's graph records compiled by inductor first
+    "builtin-compiled-sampling": (
+        "from harness.server.cuda_graphs import StepGraphs; StepGraphs.compile_sampling = True"
+    ),
     # decode key positions padded to powers of two alone
     "builtin-pow2-keys": (
         "from harness.server.cuda_graphs import StepGraphs; StepGraphs.key_buckets_by_half = False"

@@ -123,9 +123,12 @@ def test_the_padded_step_decodes_exactly_as_the_eager_one():
     assert_greedy_matches(build_tiny_qwen3(), padded[0], atol=1e-4)
 
 
-def test_a_step_sampled_in_its_graph_draws_as_the_eager_engine_does():
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_step_sampled_in_its_graph_draws_as_the_eager_engine_does(monkeypatch, compiled):
     # Every row samples by temperature alone, so each decode step runs with its sampling (the graphs'
     # "decode+sample" forward); with a top-k row among them (mixed_params, above) the step samples apart.
+    # compiled: that sampling compiled by inductor (StepGraphs.compile_sampling), the same draws.
+    monkeypatch.setattr(StepGraphs, "compile_sampling", compiled)
     eager = generate(make_engine(build_tiny_qwen3(), graphs="none"), PROMPTS, plain_params())
     engine = make_engine(build_tiny_qwen3(), graphs="padded")
     padded = generate(engine, PROMPTS, plain_params())
@@ -387,7 +390,9 @@ def test_cuda_graphs_decode_as_the_eager_engine_does():
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_that_sample_draw_as_the_eager_engine_does():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graphs_that_sample_draw_as_the_eager_engine_does(monkeypatch, compiled):
+    monkeypatch.setattr(StepGraphs, "compile_sampling", compiled)  # the graph records inductor's kernels
     eager = generate(make_engine(build_tiny_qwen3().cuda(), graphs="none"), PROMPTS, plain_params())
     # With async scheduling, as the server runs on a GPU: each step's tokens feed the next from the graph's
     # output buffer before the host reads them.

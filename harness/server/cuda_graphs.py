@@ -67,7 +67,7 @@ import torch
 
 from harness.server.device_copies import to_device
 from harness.server.kv_cache import ForwardBatch, RowKVCache, forward_context
-from harness.server.sampling import draw_tokens
+from harness.server.sampling import draw_scaled_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -122,6 +122,10 @@ class StepGraphs:
     max_substitute_padding = float("inf")
     # Decode key positions pad by `token_bucket` (a power of two or 1.5 times one); False: powers of two.
     key_buckets_by_half = True
+    # Whether the sampling a decode step's graph records is compiled first (`torch.compile` of
+    # `sampling.draw_scaled_tokens`: its ~20 passes over [rows, vocabulary] fused into a few kernels, at the
+    # cost of compiling it when the first sampled step is captured); off, it runs as its eager kernels.
+    compile_sampling = False
 
     def __init__(self, model: PreTrainedModel, cache: RowKVCache, *, capture: bool = True) -> None:
         self.model = model
@@ -150,6 +154,9 @@ class StepGraphs:
         vocab_size = model.get_output_embeddings().weight.shape[0]
         self._logits_RV = torch.zeros((max_rows, vocab_size), dtype=model.dtype, device=device)
         self._graphs: dict[tuple[str | int, ...], Callable[[], None]] = {}
+        self._draw = (
+            torch.compile(draw_scaled_tokens, dynamic=True) if self.compile_sampling else draw_scaled_tokens
+        )
         self._uses: collections.Counter[tuple[str | int, ...]] = collections.Counter()
         self._cache_version = cache.version
         self._pool: tuple[int, int] | None = None  # created at the first capture
@@ -226,8 +233,7 @@ class StepGraphs:
         self._run_model(batch, token_ids_R[:, None], positions_R[:, None], rows)
         if sampled:
             temperatures_R, draws_R = self._sampling_2R[:, :rows]
-            logits_RV = self._logits_RV[:rows].float() / temperatures_R[:, None]
-            tokens_R, packed_R4 = draw_tokens(logits_RV, draws_R, num_top=1)
+            tokens_R, packed_R4 = self._draw(self._logits_RV[:rows], temperatures_R, draws_R)
             self._tokens_R[:rows].copy_(tokens_R)
             self._packed_R4[:rows].copy_(packed_R4)
 

@@ -335,6 +335,14 @@ def draw_tokens(
     return tokens, torch.cat(columns, dim=1)
 
 
+def draw_scaled_tokens(
+    logits_BV: torch.Tensor, temperatures_B: torch.Tensor, draws_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw_tokens` with the top-1 log-prob, of each row's logits (any float dtype) divided in float32 by
+    its temperature: the whole sampling a decode step's graph records (`cuda_graphs.StepGraphs`)."""
+    return draw_tokens(logits_BV.float() / temperatures_B[:, None], draws_B, num_top=1)
+
+
 _cpu_workspace = threading.local()  # per thread: each engine samples on its own
 
 
