@@ -215,6 +215,14 @@ class AsyncGRPOConfig(TrainingArguments):
     builtin_server_max_model_len: int = field(
         default=4096, metadata=_help("max_model_len of the built-in server (prompt plus completion).")
     )
+    weight_sync_deltas: bool = field(
+        default=False,
+        metadata=_help(
+            "When merged weights are broadcast to the built-in server (on another host), send each tensor's "
+            "changed elements alone after the first sync. Costs one copy of the served weights on the "
+            "trainer's device. See harness/weight_sync/deltas.py."
+        ),
+    )
 
     # --- beyond the reference: training kernels ------------------------------------------------------
     compile_blocks: bool | None = field(

@@ -100,6 +100,14 @@ def test_bench_weight_sync_gathers_under_fsdp2_and_checks_what_it_read():
     assert len(ways) == 6 and ways[0][0] == "one process (reference)", output[-2000:]
 
 
+def test_bench_weight_deltas_sends_less_than_whole_after_the_first_sync():
+    output = run_benchmark("bench_weight_deltas.py", "--preset", "small", "--steps", "2", "--lr", "1e-6")
+    shares = re.findall(r"lr 1e-06, (.+?): +([\d.]+)% of elements changed, .*\( *([\d.]+)%\)", output)
+    assert [label for label, _, _ in shares] == ["first sync (whole)", "after step 1", "after step 2"], output
+    assert float(shares[0][1]) == float(shares[0][2]) == 100.0
+    assert all(0 < float(changed) < 50 and 0 < float(sent) < 100 for _, changed, sent in shares[1:]), output
+
+
 def test_bench_host_step_takes_the_async_graph_path():
     # The benchmark refuses to report a run in which no decode step went ahead (not the GPU's path).
     output = run_benchmark("bench_host_step.py", "--rows", "8", "--max-tokens", "8", "--repeats", "1")

@@ -376,6 +376,62 @@ def test_broadcast_transfer_over_gloo_leaves_the_server_with_the_trainers_weight
         assert transfer.group is None  # leaving `with` closed the group
 
 
+def test_weight_sync_deltas_reach_the_broadcast_of_the_process_that_sends(tmp_path):
+    # AsyncGRPOConfig.weight_sync_deltas goes to build_weight_sync; only rank 0 sends, so only it encodes.
+    def built(deltas: bool, is_main: bool) -> Any:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(BroadcastTransfer, "connect", lambda self, server, base_url: None)
+            return build_weight_sync(
+                WeightSyncPlan("broadcast", "test"),
+                server=types.SimpleNamespace(),  # type: ignore[arg-type]
+                is_main=is_main,
+                world_size=2,
+                output_dir=tmp_path,
+                max_staleness=1,
+                deltas=deltas,
+            )
+
+    assert built(deltas=True, is_main=True).transfer.encoder is not None
+    assert built(deltas=False, is_main=True).transfer.encoder is None
+    assert built(deltas=True, is_main=False).transfer.encoder is None
+
+
+@pytest.mark.slow
+def test_broadcast_deltas_send_changed_elements_and_resend_whole_to_a_server_that_lost_them():
+    model = build_tiny_qwen3(seed=7)
+    parameters = dict(model.named_parameters())
+    whole = sum(merged_manifest(model).nbytes(i) for i in range(len(merged_manifest(model).names)))
+    with embedded_server() as server, ClientThread(server.base_url, 60) as client:
+        transfer = BroadcastTransfer(device="cpu", buffer_size_bytes=20_000, deltas=True)
+        transfer.connect(client, server.base_url)
+        with MergedWeightSync(transfer, client) as sync:
+            sync.sync(model, 1)  # the first sync: every tensor whole
+            assert transfer.last_sent_bytes == whole
+            served_weights_equal(server, model)
+            with torch.no_grad():  # a few elements of three tensors move
+                parameters["model.layers.0.self_attn.q_proj.weight"][2, 3] += 0.5
+                parameters["model.layers.1.mlp.down_proj.weight"][0, :5] *= 2
+                parameters["model.norm.weight"][7] = -1.0
+            metrics = sync.sync(model, 2)
+            assert 0 < transfer.last_sent_bytes < whole / 50
+            assert metrics["perf/weight_sync_sent_mb"] == pytest.approx(transfer.last_sent_bytes / 2**20)
+            served_weights_equal(server, model)
+            assert_generated_by(model, greedy(client))
+            # The server forgets which weights it holds (as after a restart, or a failed update): it refuses
+            # the next delta (409, the broadcast drained), and the trainer sends every tensor whole instead.
+            server.state.extra.pop("weights_token")
+            with torch.no_grad():
+                parameters["model.layers.1.self_attn.o_proj.weight"][1, 1] = 3.0
+            sync.sync(model, 3)
+            assert transfer.last_sent_bytes > whole
+            served_weights_equal(server, model)
+            sync.sync(model, 4)  # unchanged weights: headers alone
+            assert transfer.last_sent_bytes < 1000
+            served_weights_equal(server, model)
+            assert_generated_by(model, greedy(client))
+            assert not client.call("is_paused")
+
+
 @pytest.mark.slow
 def test_a_failed_merged_sync_raises_and_leaves_the_server_resumed(tmp_path):
     bad = types.SimpleNamespace(

@@ -61,6 +61,7 @@ from harness.server.state import ServerConfig, ServerState
 from harness.weight_sync.cuda_ipc import visible_device_uuids
 from harness.weight_sync.wire import (
     DEFAULT_BUFFER_SIZE_BYTES,
+    WeightDeltaError,
     WeightManifest,
     WeightTransferError,
     check_manifest,
@@ -89,6 +90,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return await handler(request)
     except ProtocolError as exc:
         return _error(exc.status, exc.message, exc.param)
+    except WeightDeltaError as exc:  # the trainer sends the weights whole instead
+        return _error(409, str(exc))
     except (WeightTransferError, LoraError) as exc:
         return _error(400, str(exc))
     except EngineClosedError as exc:
@@ -355,6 +358,10 @@ def build_app(state: ServerState) -> web.Application:
         manifest = WeightManifest.from_update_info(info)
         path = info.get("path")
         ipc = info.get("ipc")
+        # Which weights a delta applies to (harness/weight_sync/deltas.py): the token of the last update
+        # applied whole, kept only until the next update starts, so a failed one leaves none.
+        held_token = state.extra.pop("weights_token", None)
+        delta_base = info.get("delta_base")
         if ipc is not None:
             if not isinstance(ipc, dict) or not isinstance(ipc.get("offsets"), list):
                 raise ProtocolError(400, "update_info.ipc needs a buffer handle and offsets", "update_info")
@@ -392,16 +399,25 @@ def build_app(state: ServerState) -> web.Application:
                 )
             buffer_size = int(info.get("buffer_size_bytes") or DEFAULT_BUFFER_SIZE_BYTES)
 
+            as_delta = delta_base is not None
+
             def apply_broadcast() -> int:
                 try:
                     check_manifest(state.model, manifest)
+                    if as_delta and delta_base != held_token:
+                        raise WeightDeltaError(
+                            f"a weight delta against weights {delta_base!r}, but this server holds "
+                            f"{held_token!r} (restarted, or an update failed since): send the weights whole"
+                        )
                 except WeightTransferError:
-                    for _ in group.receive(manifest, buffer_size):
+                    for _ in group.receive(manifest, buffer_size, as_delta=as_delta):
                         pass  # drain the trainer's broadcast so the group stays usable, then report
                     raise
-                return copy_into_model(state.model, group.receive(manifest, buffer_size))
+                return copy_into_model(state.model, group.receive(manifest, buffer_size, as_delta=as_delta))
 
             count = await run_on_engine(apply_broadcast)
+            if isinstance(info.get("token"), str):
+                state.extra["weights_token"] = info["token"]
         return web.json_response({"status": "ok", "num_tensors": count})
 
     async def finish_weight_update(request: web.Request) -> web.Response:

@@ -189,6 +189,7 @@ def open_weight_sync(
         max_staleness=args.max_staleness,
         device=args.device,
         base_url=base_urls[0] if base_urls else "",
+        deltas=args.weight_sync_deltas,
     )
     try:
         sync.start(model, version)

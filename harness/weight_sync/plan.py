@@ -249,8 +249,10 @@ def build_weight_sync(
     max_staleness: int,
     device: torch.device | str = "cpu",
     base_url: str = "",
+    deltas: bool = False,
 ) -> WeightSync:
-    """The strategy of `plan`, on every process (rank 0 talks to the server through `server`)."""
+    """The strategy of `plan`, on every process (rank 0 talks to the server through `server`); `deltas`:
+    a broadcast to the built-in server sends changed elements alone after the first sync."""
     import torch
 
     send_dtype = getattr(torch, plan.send_dtype) if plan.send_dtype else None
@@ -266,7 +268,7 @@ def build_weight_sync(
     if plan.kind == "ipc":
         return merged(IpcTransfer(device=device))
     if plan.kind == "broadcast":
-        transfer = BroadcastTransfer(device=device)
+        transfer = BroadcastTransfer(device=device, deltas=deltas and is_main)
         if is_main:
             assert server is not None  # rank 0 has the client
             try:

@@ -25,7 +25,9 @@ with the others (every merged weight, or the adapters), and only then is routed 
 
 Metrics: perf/weight_sync_s, split into perf/weight_sync_barrier_s (waiting for the other processes; only
 with several), perf/weight_sync_pause_s (waiting for the server to pause; merged only) and
-perf/weight_sync_transfer_s (sending the weights or the adapter).
+perf/weight_sync_transfer_s (sending the weights or the adapter); and for a broadcast to the built-in
+server perf/weight_sync_sent_mb (what crossed: the whole weights, or with weight_sync_deltas their changed
+elements, harness/weight_sync/deltas.py).
 """
 
 from __future__ import annotations
@@ -167,7 +169,11 @@ class MergedWeightSync(WeightSync):
             raise
         sent = time.monotonic()
         self.server.call("resume")
-        return {"perf/weight_sync_pause_s": paused - started, "perf/weight_sync_transfer_s": sent - paused}
+        metrics = {"perf/weight_sync_pause_s": paused - started, "perf/weight_sync_transfer_s": sent - paused}
+        sent_bytes = getattr(self.transfer, "last_sent_bytes", None)
+        if sent_bytes is not None:  # a broadcast to the built-in server: whole, or deltas (deltas.py)
+            metrics["perf/weight_sync_sent_mb"] = sent_bytes / 2**20
+        return metrics
 
     def close(self) -> None:
         self.transfer.close()

@@ -182,9 +182,11 @@ class BroadcastTransfer:
         device: torch.device | str = "cpu",
         buffer_size_bytes: int | None = None,
         vllm_api: Any = None,
+        deltas: bool = False,
     ) -> None:
         import torch
 
+        from harness.weight_sync.deltas import DeltaEncoder
         from harness.weight_sync.wire import DEFAULT_BUFFER_SIZE_BYTES
 
         self.device = torch.device(device)
@@ -194,6 +196,11 @@ class BroadcastTransfer:
         self.group: Any = None
         self.vllm = False
         self.layout: Any = None  # a vLLM server's TransferLayout
+        # Deltas (harness/weight_sync/deltas.py), to the built-in server only: what was sent, and the token
+        # of the weights the server holds after the last sync that completed (None: send them whole).
+        self.encoder = DeltaEncoder() if deltas else None
+        self.weights_token: str | None = None
+        self.last_sent_bytes: int | None = None  # what the last sync broadcast (built-in server)
 
     @property
     def keeps_weights_on_failure(self) -> bool:
@@ -265,18 +272,57 @@ class BroadcastTransfer:
         weights: Iterator[tuple[str, torch.Tensor]],
         dtype: torch.dtype | None = None,
     ) -> None:
-        from harness.weight_sync.wire import WeightTransferError, plan_buckets
+        from harness.generation.protocol import ServerRequestError
 
         if self.group is None:
             raise RuntimeError("the broadcast group is not connected")
         manifest = merged_manifest(model, dtype)
+        encoding: dict[str, Any] = {}
+        sent_before = 0
         if self.vllm:
             from harness.weight_sync.vllm_nccl import update_info
 
             info = update_info(manifest, self.buffer_size_bytes, layout=self.layout)  # only keys vLLM takes
         else:
             info = {**manifest.to_update_info(), "packed": True, "buffer_size_bytes": self.buffer_size_bytes}
+            if self.encoder is not None:
+                as_delta = self.weights_token is not None and self.encoder.remembers(manifest.names)
+                info["token"] = uuid.uuid4().hex
+                if as_delta:
+                    info["delta_base"] = self.weights_token
+                encoding = {"encoder": self.encoder, "as_delta": as_delta}
+            sent_before = self.group.bytes_sent
+        self.weights_token = None  # until this sync has completed
         server.call("start_weight_update")
+        try:
+            self._broadcast(server, manifest, info, weights, encoding)
+        except ServerRequestError as exc:
+            if exc.status != 409 or self.encoder is None:
+                raise
+            # The server no longer holds the weights the delta was computed against (it restarted, or an
+            # update failed): it drained the broadcast; the encoder now holds every new tensor: send those.
+            info = {key: value for key, value in info.items() if key != "delta_base"}
+            info["token"] = uuid.uuid4().hex
+            remembered = iter(self.encoder.remembered(manifest.names))
+            self._broadcast(server, manifest, info, remembered, {})
+        if not self.vllm:
+            self.last_sent_bytes = self.group.bytes_sent - sent_before
+            self.weights_token = info.get("token")
+        server.call("finish_weight_update")
+
+    def _broadcast(
+        self,
+        server: ClientThread,
+        manifest: Any,
+        info: dict[str, Any],
+        weights: Iterator[tuple[str, torch.Tensor]],
+        encoding: dict[str, Any],
+    ) -> None:
+        """Post /update_weights with `info` while this thread hands the tensors over, bucket by bucket, to a
+        sender thread that broadcasts them (with `encoding`'s keywords); raises the first failure of
+        either."""
+        from harness.weight_sync.wire import WeightTransferError, plan_buckets
+
         http = server.start("send_weight_manifest", info)
         buckets: queue.Queue = queue.Queue(maxsize=1)
         errors: list[BaseException] = []
@@ -284,7 +330,7 @@ class BroadcastTransfer:
         def send_buckets() -> None:
             try:
                 while (bucket := buckets.get()) is not None:
-                    self.group.send(bucket, self.buffer_size_bytes)
+                    self.group.send(bucket, self.buffer_size_bytes, **encoding)
             except BaseException as exc:  # reported on the caller's thread
                 errors.append(exc)
 
@@ -328,7 +374,6 @@ class BroadcastTransfer:
             with contextlib.suppress(queue.Full):
                 buckets.put_nowait(None)
             raise
-        server.call("finish_weight_update")
 
     def close(self) -> None:
         group, self.group = self.group, None

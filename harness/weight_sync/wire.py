@@ -34,6 +34,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.weight_sync.deltas import INDEX_BYTES, DeltaEncoder, SparseUpdate, apply_sparse, sparse_nbytes
+
 if TYPE_CHECKING:
     import torch
 
@@ -43,6 +45,10 @@ FILE_ALIGNMENT_BYTES = 64
 
 class WeightTransferError(ValueError):
     """A manifest or a transfer does not fit the model (unknown name, wrong shape, bad dtype, short file)."""
+
+
+class WeightDeltaError(WeightTransferError):
+    """A weight delta against other weights than the server holds (the server answers 409: send whole)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,13 @@ class WeightManifest:
 def _aligned(position: int) -> int:
     """The first file offset at or after `position` where a tensor may start."""
     return -(-position // FILE_ALIGNMENT_BYTES) * FILE_ALIGNMENT_BYTES
+
+
+def _view(packed: torch.Tensor, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes `offset`..`offset + size` of a uint8 buffer as a flat tensor of `dtype` (copied first where the
+    offset is not a multiple of the dtype's size: such a slice cannot be viewed as it)."""
+    raw = packed[offset : offset + size]
+    return (raw.clone() if offset % dtype.itemsize else raw).view(dtype)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -213,15 +226,21 @@ def check_manifest(model: torch.nn.Module, manifest: WeightManifest) -> None:
         raise WeightTransferError(f"weight update does not fit the model: {shown}")
 
 
-def copy_into_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy each tensor into the parameter or buffer of that name (casting dtype, moving device)."""
+def copy_into_model(
+    model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor | SparseUpdate]]
+) -> int:
+    """Copy each tensor into the parameter or buffer of that name (casting dtype, moving device); a
+    SparseUpdate's values go to its positions alone."""
     import torch
 
     targets = _targets(model)
     count = 0
     with torch.no_grad():
         for name, tensor in named_tensors:
-            targets[name].copy_(tensor, non_blocking=False)
+            if isinstance(tensor, SparseUpdate):
+                apply_sparse(targets[name], tensor)
+            else:
+                targets[name].copy_(tensor, non_blocking=False)
             count += 1
     return count
 
@@ -253,6 +272,7 @@ class BroadcastGroup:
         self.world_size = world_size
         self.backend = backend
         self.device = device
+        self.bytes_sent = 0  # payload broadcast by `send` so far
 
     @classmethod
     def connect(
@@ -311,8 +331,16 @@ class BroadcastGroup:
         self,
         named_tensors: Sequence[tuple[str, torch.Tensor]],
         buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+        *,
+        encoder: DeltaEncoder | None = None,
+        as_delta: bool = False,
     ) -> WeightManifest:
-        """Broadcast the tensors, packed in buckets (rank 0). Returns the manifest the receivers need."""
+        """Broadcast the tensors, packed in buckets (rank 0). Returns the manifest the receivers need.
+
+        `encoder` remembers what was sent (`harness/weight_sync/deltas.py`); with `as_delta` each bucket is
+        a header first (per tensor: the number of elements of its SparseUpdate, or -1 for whole), then the
+        tensors as encoded against what the encoder remembers. `bytes_sent` counts what went out.
+        """
         import torch
 
         if self.rank != 0:
@@ -320,32 +348,61 @@ class BroadcastGroup:
         manifest = WeightManifest.of(named_tensors)
         device = self.device
         for bucket in plan_buckets(manifest, buffer_size_bytes):
-            parts = [
-                named_tensors[i][1].detach().to(device).contiguous().view(-1).view(torch.uint8)
-                for i in bucket
+            tensors = [
+                (named_tensors[i][0], named_tensors[i][1].detach().to(device).contiguous()) for i in bucket
             ]
-            packed = torch.cat(parts)
-            self._broadcast(self._group, packed)
+            items = [
+                encoder.encode(name, tensor, as_delta=as_delta) if encoder is not None else tensor
+                for name, tensor in tensors
+            ]
+            if as_delta:
+                counts = [item.values.numel() if isinstance(item, SparseUpdate) else -1 for item in items]
+                self._send_bytes(torch.tensor(counts, dtype=torch.int64, device=device))
+            parts = []
+            for item in items:
+                pieces = (item.positions, item.values) if isinstance(item, SparseUpdate) else (item,)
+                parts += [piece.reshape(-1).view(torch.uint8) for piece in pieces]
+            self._send_bytes(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device))
         return manifest
 
+    def _send_bytes(self, tensor: torch.Tensor) -> None:
+        self._broadcast(self._group, tensor)
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+
     def receive(
-        self, manifest: WeightManifest, buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors rank 0 broadcasts for `manifest`, bucket by bucket (ranks > 0)."""
+        self,
+        manifest: WeightManifest,
+        buffer_size_bytes: int = DEFAULT_BUFFER_SIZE_BYTES,
+        *,
+        as_delta: bool = False,
+    ) -> Iterator[tuple[str, torch.Tensor | SparseUpdate]]:
+        """The tensors rank 0 broadcasts for `manifest`, bucket by bucket (ranks > 0); with `as_delta`, as
+        `send` encodes them: some as SparseUpdates (`copy_into_model` applies both kinds)."""
         import torch
 
         device = self.device
         for bucket in plan_buckets(manifest, buffer_size_bytes):
-            sizes = [manifest.nbytes(i) for i in bucket]
+            counts = [-1] * len(bucket)
+            if as_delta:
+                header = torch.empty(len(bucket), dtype=torch.int64, device=device)
+                self._broadcast(self._group, header)
+                counts = header.tolist()
+            sizes = [
+                manifest.nbytes(i) if count < 0 else sparse_nbytes(count, manifest.dtype(i).itemsize)
+                for i, count in zip(bucket, counts, strict=True)
+            ]
             packed = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
             self._broadcast(self._group, packed)
             offset = 0
-            for index, size in zip(bucket, sizes, strict=True):
-                raw = packed[offset : offset + size]
-                # A slice at an offset that is not a multiple of the dtype's size cannot be viewed as it.
-                if offset % manifest.dtype(index).itemsize:
-                    raw = raw.clone()
-                yield manifest.names[index], raw.view(manifest.dtype(index)).view(manifest.shapes[index])
+            for index, size, count in zip(bucket, sizes, counts, strict=True):
+                dtype = manifest.dtype(index)
+                if count < 0:
+                    whole = _view(packed, offset, size, dtype).view(manifest.shapes[index])
+                    yield manifest.names[index], whole
+                else:
+                    positions = _view(packed, offset, count * INDEX_BYTES, torch.int32)
+                    values = _view(packed, offset + count * INDEX_BYTES, count * dtype.itemsize, dtype)
+                    yield manifest.names[index], SparseUpdate(positions, values)
                 offset += size
 
     def close(self) -> None:
@@ -359,6 +416,7 @@ class BroadcastGroup:
 __all__ = [
     "DEFAULT_BUFFER_SIZE_BYTES",
     "BroadcastGroup",
+    "WeightDeltaError",
     "WeightManifest",
     "WeightTransferError",
     "check_manifest",
