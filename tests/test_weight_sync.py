@@ -376,13 +376,13 @@ def test_broadcast_transfer_over_gloo_leaves_the_server_with_the_trainers_weight
         assert transfer.group is None  # leaving `with` closed the group
 
 
-def test_weight_sync_deltas_reach_the_broadcast_of_the_process_that_sends(tmp_path):
+def test_weight_sync_deltas_reach_the_broadcast_of_the_process_that_sends(tmp_path, caplog):
     # AsyncGRPOConfig.weight_sync_deltas goes to build_weight_sync; only rank 0 sends, so only it encodes.
-    def built(deltas: bool, is_main: bool) -> Any:
+    def built(deltas: bool, is_main: bool, kind: str = "broadcast") -> Any:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(BroadcastTransfer, "connect", lambda self, server, base_url: None)
             return build_weight_sync(
-                WeightSyncPlan("broadcast", "test"),
+                WeightSyncPlan(kind, "test"),
                 server=types.SimpleNamespace(),  # type: ignore[arg-type]
                 is_main=is_main,
                 world_size=2,
@@ -394,6 +394,10 @@ def test_weight_sync_deltas_reach_the_broadcast_of_the_process_that_sends(tmp_pa
     assert built(deltas=True, is_main=True).transfer.encoder is not None
     assert built(deltas=False, is_main=True).transfer.encoder is None
     assert built(deltas=True, is_main=False).transfer.encoder is None
+    assert "weight_sync_deltas" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="harness.weight_sync.plan"):
+        built(deltas=True, is_main=True, kind="file")  # said to be unused, not silently dropped
+    assert "weight_sync_deltas: not used, the weights reach the server by file" in caplog.text
 
 
 @pytest.mark.slow

@@ -256,6 +256,8 @@ def build_weight_sync(
     import torch
 
     send_dtype = getattr(torch, plan.send_dtype) if plan.send_dtype else None
+    if deltas and is_main and plan.kind != "broadcast":
+        log.info("weight_sync_deltas: not used, the weights reach the server by %s, not broadcast", plan.kind)
     merged = functools.partial(
         MergedWeightSync, server=server, is_main=is_main, world_size=world_size, send_dtype=send_dtype
     )

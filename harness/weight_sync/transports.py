@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import ipaddress
+import logging
 import queue
 import socket
 import threading
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from harness.generation.client_thread import ClientThread
     from harness.generation.protocol import ServerControl
     from harness.weight_sync.wire import BroadcastGroup
+
+
+logger = logging.getLogger(__name__)
 
 
 class FileTransfer:
@@ -220,6 +224,9 @@ class BroadcastTransfer:
             self.group = server.run(self._connect_builtin, endpoint, address, port, server.timeout_s)
             return
         self.vllm = True  # VllmUnavailableError (an ImportError naming the fix) when vLLM is not installed
+        if self.encoder is not None:
+            logger.info("weight_sync_deltas: not used, vLLM's receiving side takes whole tensors only")
+            self.encoder = None
         api = self.vllm_api if self.vllm_api is not None else load_vllm_api()  # before touching the server
         self.layout = _vllm_layout(server)
         self.group = server.run(
