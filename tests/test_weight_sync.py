@@ -652,6 +652,67 @@ def length_reward(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
+def routed_address() -> str | None:
+    """This host's address on its routed interface (not loopback), or None without one."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet leaves: a UDP connect only picks the route
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.slow
+def test_a_trainer_broadcasting_to_a_server_on_another_address_sends_deltas(tmp_path):
+    # The server is reached at this host's routed address, so the trainer takes it for another host's: merged
+    # weights are broadcast (gloo), and with weight_sync_deltas each step's sync sends the elements whose bf16
+    # value changed (a float32 policy at a small learning rate, a bf16 server).
+    from harness import AsyncGRPOTrainer
+
+    address = routed_address()
+    if address is None:
+        pytest.skip("no network interface but loopback")
+    model_dir = tmp_path / "model"
+    build_tiny_qwen3().save_pretrained(model_dir)
+    build_tiny_tokenizer().save_pretrained(model_dir)
+    state = ServerState.from_model(
+        build_tiny_qwen3(dtype=torch.bfloat16),
+        ServerConfig(model="tiny-qwen3", max_model_len=128, max_num_seqs=16),
+        tokenizer=build_tiny_tokenizer(),
+    )
+    with EmbeddedServer(state, host="0.0.0.0") as server:
+        args = run_config(
+            tmp_path,
+            learning_rate=1e-5,
+            max_steps=3,
+            generation_server="external",
+            vllm_server_base_url=f"http://{address}:{server.port}",
+            weight_sync_deltas=True,
+            logging_steps=1,
+        )
+        trainer = AsyncGRPOTrainer(
+            str(model_dir), reward_funcs=length_reward, args=args, train_dataset=conversations(8)
+        )
+        trainer.train()
+        assert trainer._weight_sync.kind == "merged-broadcast"
+        whole_mb = sum(p.numel() * 2 for p in state.model.parameters()) / 2**20
+        sent_mb = [
+            e["perf/weight_sync_sent_mb"]
+            for e in trainer.state.log_history
+            if "perf/weight_sync_sent_mb" in e
+        ]
+        # The server starts from the checkpoint the trainer loaded: the first sync is the first send, whole.
+        assert len(sent_mb) == 3, trainer.state.log_history  # one sync a step
+        assert sent_mb[0] == pytest.approx(whole_mb)
+        assert all(0 < mb < 0.6 * whole_mb for mb in sent_mb[1:]), (sent_mb, whole_mb)
+        served = dict(state.model.named_parameters(remove_duplicate=False))
+        for name, parameter in trainer.model.named_parameters():
+            assert torch.equal(served[name], parameter.detach().to(torch.bfloat16)), name
+
+
 @pytest.mark.slow
 def test_trainer_with_lora_syncs_adapters_and_the_worker_generates_with_the_newest(tmp_path):
     from harness import AsyncGRPOTrainer
