@@ -143,6 +143,25 @@ def test_a_step_sampled_in_its_graph_draws_as_the_eager_engine_does(monkeypatch,
     assert apart.graphs.num_forwards["decode+sample"] == 0 and apart.graphs.num_forwards["decode"] > 50
 
 
+def test_in_graph_sampling_that_cannot_compile_runs_eagerly_after_a_warning(monkeypatch, caplog):
+    def no_compiler(function, **options):
+        def fails(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return fails
+
+    monkeypatch.setattr(StepGraphs, "compile_sampling", True)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    eager = generate(make_engine(build_tiny_qwen3(), graphs="none"), PROMPTS, plain_params())
+    engine = make_engine(build_tiny_qwen3(), graphs="padded")
+    with caplog.at_level(logging.WARNING, logger="harness.server.cuda_graphs"):
+        engine.warm_up()  # tries to compile the sampling here, before any request
+    assert "compiling the in-graph sampling failed, it runs eagerly instead" in caplog.text
+    padded = generate(engine, PROMPTS, plain_params())
+    assert engine.graphs.num_forwards["decode+sample"] > 50
+    assert_same_outputs(eager, padded, atol=1e-5)
+
+
 def test_padding_rows_leave_rows_joining_later_intact():
     # One request runs alone (a bucket of 1), then two join while it runs (three rows, padded to four: the
     # padding row is the next free one), then one more takes that row. Every greedy output must still equal

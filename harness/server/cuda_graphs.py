@@ -161,6 +161,24 @@ class StepGraphs:
         self._cache_version = cache.version
         self._pool: tuple[int, int] | None = None  # created at the first capture
 
+    def warm_up_sampling(self) -> None:
+        """Compile the in-graph sampling now, for 1 and for 2 rows (dynamic shapes specialise a size of 1),
+        rather than inside the first sampled step's capture; if it cannot compile, say so and sample with
+        its eager kernels from now on. Nothing unless `compile_sampling`."""
+        if not self.compile_sampling:
+            return
+        try:
+            for rows in (1, 2):
+                logits = self._logits_RV[:rows]
+                self._draw(
+                    logits,
+                    torch.ones(rows, device=logits.device),
+                    torch.full((rows,), 0.5, device=logits.device),
+                )
+        except Exception as exc:
+            self._draw = draw_scaled_tokens
+            logger.warning("compiling the in-graph sampling failed, it runs eagerly instead: %r", exc)
+
     # ------------------------------------------------------------------ decode
 
     def decode(self, token_ids: list[int] | torch.Tensor, lengths: list[int]) -> torch.Tensor:

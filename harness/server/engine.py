@@ -349,6 +349,8 @@ class Engine:
                 rows = list(range(num_rows))
                 forwards.prefill(rows, [[0] * num_tokens] * num_rows, [0] * num_rows)
                 forwards.decode([0] * num_rows, [num_tokens + 1] * num_rows)
+            if self.graphs is not None:
+                self.graphs.warm_up_sampling()
         self.cache.release()
         return time.perf_counter() - started
 

@@ -206,7 +206,7 @@ class ServerState:
                 else model.device.type == "cuda" and not config.enforce_eager
             ),
         )
-        if compiled:
+        if compiled or (engine.graphs is not None and engine.graphs.compile_sampling):
             if whole_layers:
                 what = "decoder layers"
                 remedy = (
@@ -223,7 +223,10 @@ class ServerState:
                 raise RuntimeError(
                     f"compiling the model's {what} failed in the engine's warm-up ({exc!r}); serve {remedy}"
                 ) from exc
-            logger.info("compiled %d %s in a warm-up of %.1f s", len(compiled), what, seconds)
+            sampling = (
+                " and the in-graph sampling" if engine.graphs and engine.graphs.compile_sampling else ""
+            )
+            logger.info("compiled %d %s%s in a warm-up of %.1f s", len(compiled), what, sampling, seconds)
         engine.start()
         logger.info(
             "engine ready: %s on %s (%s%s), max_model_len %d, KV budget %d tokens, max_num_seqs %d",
