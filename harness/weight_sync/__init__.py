@@ -6,6 +6,8 @@
     transports.py   how merged weights cross: a shared-memory file, or a broadcast group
     wire.py         what crosses to the server, on both sides: the manifest, the shared-memory file, the
                     torch.distributed broadcast group
+    deltas.py       after the first broadcast to the built-in server, each tensor's changed elements alone
+                    (AsyncGRPOConfig.weight_sync_deltas)
     vllm_nccl.py    vLLM's NCCL weight-transfer group and request bodies
     peft.py         a PEFT model's weights as the server loads them (LoRA merged in, base names)
     gather.py       under FSDP2, those weights gathered to rank 0 in buckets (one collective per bucket)

@@ -17,6 +17,10 @@ Two transports share one manifest (`WeightManifest`: names, dtype names, shapes,
   thread and the HTTP call, which has one, on the caller's thread. The HTTP sequence and the packing rule
   are vLLM's, but the group is a plain torch.distributed one: a vLLM server forms its group through its
   own stateless process group and pynccl, which this class does not speak.
+  With deltas (harness/weight_sync/deltas.py; update_info carries `delta_base`, the token of the weights
+  they apply to, and every update to the built-in server a `token` of its own), each bucket is preceded by
+  a header broadcast: per tensor, the number of changed elements it carries as positions and values, or -1
+  for the whole tensor.
 
 Who talks to it: on the trainer's side `harness.weight_sync.transports.FileTransfer` (`write_weights_file`)
 and `harness.weight_sync.transports.BroadcastTransfer` (`BroadcastGroup`, rank 0); the built-in server's
