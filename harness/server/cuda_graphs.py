@@ -123,8 +123,9 @@ class StepGraphs:
     # Decode key positions pad by `token_bucket` (a power of two or 1.5 times one); False: powers of two.
     key_buckets_by_half = True
     # Whether the sampling a decode step's graph records is compiled first (`torch.compile` of
-    # `sampling.draw_scaled_tokens`: its ~20 passes over [rows, vocabulary] fused into a few kernels, at the
-    # cost of compiling it when the first sampled step is captured); off, it runs as its eager kernels.
+    # `sampling.draw_scaled_tokens`: its ~20 passes over [rows, vocabulary] fused into a few kernels,
+    # compiled in the engine's warm-up, `warm_up_sampling`); off, it runs as its eager kernels. Off until
+    # measured on a GPU (docs/serving-benchmarks.md).
     compile_sampling = False
 
     def __init__(self, model: PreTrainedModel, cache: RowKVCache, *, capture: bool = True) -> None:

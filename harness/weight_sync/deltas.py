@@ -74,10 +74,6 @@ class DeltaEncoder:
     def __init__(self) -> None:
         self._sent: dict[str, torch.Tensor] = {}
 
-    def forget(self) -> None:
-        """Drop every remembered tensor (the next sync travels whole)."""
-        self._sent.clear()
-
     def remembers(self, names: list[str]) -> bool:
         """Whether a delta can be computed for every one of `names`."""
         return all(name in self._sent for name in names)
