@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_engine import add_model_flags, build_model, compile_as_asked, run_wave
+from bench_engine import add_model_flags, build_model, compile_as_asked, run_wave, synchronize
 
 from harness.server import kv_cache, sampling
 from harness.server.cuda_graphs import StepGraphs
@@ -60,11 +60,6 @@ ATTENTION_BACKENDS = {
     "math": [SDPBackend.MATH],
     "flash-varlen": None,  # not SDPA: FlashAttention's varlen kernel over the cache in place (kv_cache.py)
 }
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
